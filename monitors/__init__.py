@@ -1,5 +1,51 @@
-"""Read-only views of a run: events, heartbeats, straggler scores, metrics sinks."""
+"""Read-only views of a run: events, heartbeats, straggler scores, metrics sinks.
 
+Nothing here imports ``resilient_train``: the runtime composes these pieces.
+Ranks write progress (``ProgressReporter``); the node agent polls a
+``NodeMonitor`` (or ``HangDetector`` and ``StragglerDetector`` directly).
+"""
+
+from monitors.control import StragglerControl, read_control, write_control
 from monitors.events import EventLog, read_events
+from monitors.hang import Hang, HangConfig, HangDetector
+from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
+from monitors.node import MetricsConfig, MonitorConfig, MonitorResult, NodeMonitor
+from monitors.progress import ProgressReader, ProgressReporter, ProgressSnapshot, StepRecord
+from monitors.sections import SECTIONS, Section
+from monitors.straggler import (
+    RankScore,
+    StragglerConfig,
+    StragglerDecision,
+    StragglerDetector,
+    StragglerReport,
+)
 
-__all__ = ["EventLog", "read_events"]
+__all__ = [
+    "EventLog",
+    "Hang",
+    "HangConfig",
+    "HangDetector",
+    "MetricsConfig",
+    "MetricsSink",
+    "MonitorConfig",
+    "MonitorResult",
+    "NodeMonitor",
+    "ProgressReader",
+    "ProgressReporter",
+    "ProgressSnapshot",
+    "PrometheusSink",
+    "RankScore",
+    "SECTIONS",
+    "Sample",
+    "Section",
+    "StepRecord",
+    "StragglerConfig",
+    "StragglerControl",
+    "StragglerDecision",
+    "StragglerDetector",
+    "StragglerReport",
+    "TensorBoardSink",
+    "read_control",
+    "read_events",
+    "write_control",
+]

@@ -1,0 +1,196 @@
+"""Hang detection from progress slots: which rank has made no progress for too long.
+
+The node agent calls ``HangDetector.poll(now)`` from its monitor loop. A rank is
+hung when the time since its main thread last entered a section exceeds that
+section's timeout. Timeouts are, in order of precedence:
+
+1. explicit, per section (``HangConfig.timeouts``);
+2. ``startup_timeout`` before a rank's first progress and in "startup";
+   ``long_section_timeout`` in "load", "checkpoint" and "recovery";
+3. computed: the largest duration any rank has shown for the section, times
+   ``safety_factor`` (at least ``min_timeout``), once the section has been seen
+   ``min_observations`` times across ranks;
+4. ``default_timeout`` otherwise.
+
+The observed maxima are merged across ranks and across respawns, and export to
+plain JSON data (``state_dict``) so a checkpoint can carry them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from monitors.progress import ProgressReader, ProgressSnapshot
+from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS
+
+__all__ = ["Hang", "HangConfig", "HangDetector"]
+
+
+@dataclass(kw_only=True)
+class HangConfig:
+    enabled: bool = True
+    timeouts: dict[str, float] = field(default_factory=dict)
+    computed: bool = True
+    safety_factor: float = 5.0
+    min_observations: int = 10
+    min_timeout: float = 1.0
+    default_timeout: float = 60.0
+    startup_timeout: float = 300.0
+    long_section_timeout: float = 600.0
+    collective_sections: tuple[str, ...] = tuple(sorted(COLLECTIVE_SECTIONS))
+
+    def __post_init__(self) -> None:
+        unknown = set(self.timeouts) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"HangConfig.timeouts: unknown sections {sorted(unknown)}")
+        for name in ("safety_factor", "min_timeout", "default_timeout", "startup_timeout", "long_section_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"HangConfig.{name} must be > 0, got {getattr(self, name)}")
+        if any(t <= 0 for t in self.timeouts.values()):
+            raise ValueError(f"HangConfig.timeouts must be > 0, got {self.timeouts}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hang:
+    """A rank past its timeout. ``waiting_on`` lists local ranks outside a collective
+    while this one waits in one: those are the likely culprits, and killing them
+    first unblocks this rank."""
+
+    rank: int
+    pid: int | None  # None before the rank created its slot
+    section: str
+    step: int
+    since_progress_s: float
+    timeout_s: float
+    waiting_on: tuple[int, ...] = ()
+
+    @property
+    def blocked_by_peer(self) -> bool:
+        return bool(self.waiting_on)
+
+
+class HangDetector:
+    """Polled by the node agent; ``poll`` only reads memory-mapped files and never blocks."""
+
+    def __init__(self, config: HangConfig, run_dir: str | os.PathLike[str], ranks: Iterable[int]) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self._readers = {r: ProgressReader(run_dir, r) for r in ranks}
+        now = time.monotonic()
+        self._since = {r: now for r in self._readers}  # start of the startup window
+        self._stale: dict[int, tuple[int, int, int] | None] = {r: None for r in self._readers}
+        self._max: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+        # Per rank, the last stats folded into _count (counts are cumulative per incarnation).
+        self._seen: dict[tuple[int, tuple[int, int, int]], dict[str, int]] = {}
+        self.last: dict[int, ProgressSnapshot | None] = {r: None for r in self._readers}
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._readers)
+
+    def reset(self, rank: int, now: float | None = None) -> None:
+        """``rank`` was (re)spawned: ignore its old slot and give it a start-up window."""
+        if rank not in self._readers:
+            self._readers[rank] = ProgressReader(self.run_dir, rank)
+        snap = self._readers[rank].read()
+        self._stale[rank] = snap.identity if snap is not None else None
+        self._since[rank] = time.monotonic() if now is None else now
+        self.last[rank] = None
+
+    def remove(self, rank: int) -> None:
+        reader = self._readers.pop(rank, None)
+        if reader is not None:
+            reader.close()
+        for d in (self._since, self._stale, self.last):
+            d.pop(rank, None)
+
+    def timeout(self, section: str) -> float:
+        """The timeout applied now to a rank in ``section``."""
+        c = self.config
+        if section in c.timeouts:
+            return c.timeouts[section]
+        if section == "startup":
+            return c.startup_timeout
+        if section in LONG_SECTIONS:
+            return c.long_section_timeout
+        if c.computed and self._count.get(section, 0) >= c.min_observations:
+            return max(c.min_timeout, c.safety_factor * self._max[section])
+        return c.default_timeout
+
+    def poll(self, now: float | None = None) -> list[Hang]:
+        """Hung ranks, oldest progress first. ``now`` is ``time.monotonic()`` seconds."""
+        now = time.monotonic() if now is None else now
+        live: dict[int, ProgressSnapshot | None] = {}
+        for rank, reader in self._readers.items():
+            snap = reader.read()
+            if snap is not None and snap.identity == self._stale[rank]:
+                snap = None
+            self.last[rank] = snap
+            if snap is not None:
+                self._observe(rank, snap)
+                if snap.closed:
+                    continue
+            live[rank] = snap
+        if not self.config.enabled:
+            return []
+        hangs = []
+        for rank, snap in live.items():
+            if snap is None or snap.counter == 0:
+                section, step, pid = "startup", -1, (snap.pid if snap else None)
+                since = now - (self._since[rank] if snap is None else max(self._since[rank], snap.started_s))
+            else:
+                section, step, pid = snap.section, snap.step, snap.pid
+                since = now - snap.last_progress_s
+            limit = self.timeout(section)
+            if since > limit:
+                waiting: tuple[int, ...] = ()
+                if section in self.config.collective_sections:
+                    waiting = tuple(sorted(
+                        r for r, s in live.items()
+                        if r != rank and (s is None or s.section not in self.config.collective_sections)
+                    ))
+                hangs.append(Hang(rank=rank, pid=pid, section=section, step=step,
+                                  since_progress_s=since, timeout_s=limit, waiting_on=waiting))
+        hangs.sort(key=lambda h: -h.since_progress_s)
+        return hangs
+
+    def _observe(self, rank: int, snap: ProgressSnapshot) -> None:
+        key = (rank, snap.identity)
+        seen = self._seen.setdefault(key, {})
+        for section in SECTIONS:
+            n = snap.section_count[section]
+            if n > seen.get(section, 0):
+                self._count[section] = self._count.get(section, 0) + n - seen.get(section, 0)
+                seen[section] = n
+                self._max[section] = max(self._max.get(section, 0.0), snap.section_max_s[section])
+        if len(self._seen) > 4 * len(self._readers) + 16:  # forget old incarnations
+            current = {(r, s.identity) for r, s in self.last.items() if s is not None}
+            self._seen = {k: v for k, v in self._seen.items() if k in current}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The observed maxima and counts per section, as JSON-able data for a checkpoint."""
+        return {
+            "version": 1,
+            "observed_max_s": dict(sorted(self._max.items())),
+            "observations": dict(sorted(self._count.items())),
+            "timeouts_s": {s: self.timeout(s) for s in SECTIONS},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Merges saved observations (largest maxima win, counts add up)."""
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported hang-detector state version {state.get('version')!r}")
+        for section, v in state.get("observed_max_s", {}).items():
+            if section in SECTIONS:
+                self._max[section] = max(self._max.get(section, 0.0), float(v))
+        for section, n in state.get("observations", {}).items():
+            if section in SECTIONS:
+                self._count[section] = self._count.get(section, 0) + int(n)
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()

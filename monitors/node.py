@@ -1,0 +1,180 @@
+"""``NodeMonitor``: the one object a node agent polls from its monitor loop.
+
+It composes hang detection, straggler scoring and the metrics sinks, writes
+every finding to the run's event log, and returns what the agent must act on.
+It never kills or respawns anything itself.
+
+Events written: ``hang_detected`` (rank, pid, section, step, since_progress_s,
+timeout_s, waiting_on), ``straggler_report`` (interval, enabled, threshold,
+scores), ``straggler_detected`` (rank, action, relative, individual,
+intervals_below).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from monitors.events import EventLog
+from monitors.hang import Hang, HangConfig, HangDetector
+from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
+from monitors.straggler import StragglerConfig, StragglerDetector, StragglerReport
+
+__all__ = ["MetricsConfig", "MonitorConfig", "MonitorResult", "NodeMonitor"]
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    prometheus: bool = True
+    prometheus_host: str = "127.0.0.1"
+    prometheus_port: int = 0  # 0 picks a free port; see NodeMonitor.prometheus_url
+    tensorboard: bool = True  # used only when tensorboard is importable
+    tensorboard_dir: str | None = None  # default RUN_DIR/tensorboard
+
+
+@dataclass(kw_only=True)
+class MonitorConfig:
+    hang: HangConfig = field(default_factory=HangConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorResult:
+    hangs: list[Hang]  # hung ranks, oldest progress first
+    kill: list[int]  # hung ranks to kill now (not merely waiting in a collective on a local peer)
+    report: StragglerReport | None  # set when a report interval elapsed
+    replace: list[int]  # ranks newly flagged under the "replace" policy
+
+
+class NodeMonitor:
+    """Polled every ~50 ms by the agent; ``poll`` reads files and never blocks."""
+
+    def __init__(
+        self,
+        config: MonitorConfig,
+        run_dir: str | os.PathLike[str],
+        ranks: Iterable[int],
+        *,
+        events: EventLog | None = None,
+        sinks: list[MetricsSink] | None = None,
+    ) -> None:
+        ranks = list(ranks)
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.events = events if events is not None else EventLog(self.run_dir / "events.jsonl", source="monitor")
+        self.hangs = HangDetector(config.hang, run_dir, ranks)
+        self.stragglers = StragglerDetector(config.straggler, run_dir, ranks)
+        self.sinks: list[MetricsSink] = list(sinks or [])
+        self._prometheus: PrometheusSink | None = None
+        m = config.metrics
+        if sinks is None:
+            if m.prometheus:
+                self._prometheus = PrometheusSink(host=m.prometheus_host, port=m.prometheus_port)
+                self.sinks.append(self._prometheus)
+            if m.tensorboard:
+                tb = TensorBoardSink.create(m.tensorboard_dir or str(self.run_dir / "tensorboard"))
+                if tb is not None:
+                    self.sinks.append(tb)
+        self._reported: set[tuple[int, int, int]] = set()
+        self._hangs_total: dict[int, int] = {r: 0 for r in ranks}
+
+    @property
+    def prometheus_url(self) -> str | None:
+        return self._prometheus.url if self._prometheus else None
+
+    def reset(self, rank: int, now: float | None = None) -> None:
+        """``rank`` was respawned (after a crash, a hang or a replacement)."""
+        self.hangs.reset(rank, now)
+        self.stragglers.reset(rank)
+
+    def poll(self, now: float | None = None) -> MonitorResult:
+        now = time.monotonic() if now is None else now
+        hangs = self.hangs.poll(now)
+        kill = [h.rank for h in hangs if not h.blocked_by_peer]
+        for h in hangs:
+            key = (h.rank, h.pid or 0, h.step)
+            if key not in self._reported:
+                self._reported.add(key)
+                self._hangs_total[h.rank] = self._hangs_total.get(h.rank, 0) + 1
+                self.events.emit("hang_detected", **asdict(h), waiting=h.blocked_by_peer)
+        report = self.stragglers.poll(now)
+        replace: list[int] = []
+        if report is not None:
+            self.events.emit(
+                "straggler_report", interval=report.interval, enabled=report.enabled,
+                threshold=report.threshold,
+                scores={str(r): {"relative": round(s.relative, 4), "individual": round(s.individual, 4),
+                                 "step_s": round(s.step_s, 6), "work_s": round(s.work_s, 6),
+                                 "steps": s.steps, "last_step": s.last_step}
+                        for r, s in report.scores.items()},
+            )
+            for d in report.flagged:
+                if d.new:
+                    self.events.emit("straggler_detected", **asdict(d))
+                    if d.action == "replace":
+                        replace.append(d.rank)
+            self._publish(report, now)
+        return MonitorResult(hangs=hangs, kill=kill, report=report, replace=replace)
+
+    def samples(self, report: StragglerReport | None, now: float) -> list[Sample]:
+        out = [
+            Sample(name="resilient_train_straggler_enabled", value=float(report.enabled) if report else 1.0,
+                   help="1 when straggler detection is on"),
+        ]
+        if report is not None:
+            out.append(Sample(name="resilient_train_straggler_threshold", value=report.threshold,
+                              help="score below which a rank counts as slow"))
+        flagged = {d.rank for d in report.flagged} if report else set()
+        for rank, snap in sorted(self.hangs.last.items()):
+            lab = {"rank": str(rank)}
+            out.append(Sample(name="resilient_train_hangs_total", value=self._hangs_total.get(rank, 0),
+                              labels=lab, kind="counter", help="hangs detected"))
+            if snap is not None:
+                out.append(Sample(name="resilient_train_step", value=snap.step, labels=lab,
+                                  help="the step the rank works on"))
+                out.append(Sample(name="resilient_train_seconds_since_progress",
+                                  value=max(0.0, now - snap.last_progress_s), labels=lab,
+                                  help="time since the rank's main thread last changed section"))
+        if report is not None:
+            for rank, s in sorted(report.scores.items()):
+                lab = {"rank": str(rank)}
+                out += [
+                    Sample(name="resilient_train_step_seconds", value=s.step_s, labels=lab,
+                           help="median step time over the last report interval"),
+                    Sample(name="resilient_train_work_seconds", value=s.work_s, labels=lab,
+                           help="median time in the scored (own-work) sections per step"),
+                    Sample(name="resilient_train_straggler_relative_score", value=s.relative, labels=lab,
+                           help="best rank's median work time / this rank's"),
+                    Sample(name="resilient_train_straggler_individual_score", value=s.individual, labels=lab,
+                           help="this rank's best interval median / its current one"),
+                    Sample(name="resilient_train_straggler_flagged", value=float(rank in flagged), labels=lab,
+                           help="1 while the rank is flagged as a straggler"),
+                ]
+                out += [Sample(name="resilient_train_section_seconds", value=v,
+                               labels={"rank": str(rank), "section": sec},
+                               help="median time per step in a section") for sec, v in s.sections_s.items() if v > 0]
+        return out
+
+    def _publish(self, report: StragglerReport, now: float) -> None:
+        samples = self.samples(report, now)
+        step = max((s.last_step for s in report.scores.values()), default=report.interval)
+        for sink in self.sinks:
+            sink.write(samples, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state to save in a checkpoint (the computed hang timeouts)."""
+        return {"hang": self.hangs.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "hang" in state:
+            self.hangs.load_state_dict(state["hang"])
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.hangs.close()
+        self.stragglers.close()

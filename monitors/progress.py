@@ -1,0 +1,271 @@
+"""Per-rank progress slots: what a rank's main thread is doing, readable by its node agent.
+
+Each rank owns ``RUN_DIR/.monitors/rank{r}.progress``, a small memory-mapped file
+that only the rank's **main thread** writes, at every section change. A thread
+that keeps running while the main thread is stopped (SIGSTOP), spinning in C
+code with the GIL held, blocked in a collective or in data loading, writes
+nothing here, so a stuck rank shows no progress however healthy its other
+threads are.
+
+Layout (little endian; timestamps are ``CLOCK_MONOTONIC`` nanoseconds, which all
+processes of one host share):
+
+- header at 0: magic, version, pid, flags, seqlock, progress counter, step,
+  section code, time of the last ``enter``, time the reporter started, number
+  of completed steps written to the ring;
+- section statistics at 128: per section, count, total and largest duration;
+- ring at 512: the last ``RING`` completed steps, each with its step number,
+  end time, duration and per-section durations.
+
+The writer brackets every update with an odd/even sequence number (a seqlock)
+and readers retry until they copy a consistent image. A new reporter creates
+its file under a temporary name and renames it, so a reader never sees a half
+initialised slot and a respawned rank always gets a fresh file (a new inode).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from monitors.sections import SECTIONS, Section, section_code
+
+__all__ = [
+    "ProgressReader",
+    "ProgressReporter",
+    "ProgressSnapshot",
+    "StepRecord",
+    "progress_path",
+]
+
+MAGIC = b"RTP1"
+VERSION = 1
+NSECT = len(SECTIONS)
+RING = 256
+FLAG_CLOSED = 1
+
+_HEADER = struct.Struct("<4sIiIQQqiiqqQ")  # 80 bytes
+_SEQ_OFF = 16
+_STATS_OFF = 128
+_STATS = struct.Struct("<" + "QQQ" * NSECT)
+_RING_OFF = 512
+_ENTRY = struct.Struct("<qqq" + "q" * NSECT)
+SLOT_SIZE = _RING_OFF + RING * _ENTRY.size
+
+
+def progress_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(run_dir) / ".monitors" / f"rank{rank}.progress"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One completed step as the rank timed it (seconds)."""
+
+    step: int
+    end_s: float
+    step_s: float
+    sections_s: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressSnapshot:
+    """A consistent copy of one rank's slot."""
+
+    rank: int
+    pid: int
+    identity: tuple[int, int, int]  # (inode, pid, start_ns): changes when the rank is respawned
+    closed: bool
+    counter: int
+    step: int
+    section: str
+    last_progress_s: float  # monotonic seconds of the last ``enter``
+    started_s: float
+    steps_done: int
+    section_count: dict[str, int]
+    section_max_s: dict[str, float]
+    section_total_s: dict[str, float]
+    raw: bytes  # the slot image, for ``ProgressReader.steps``
+
+
+class ProgressReporter:
+    """Written by a rank's main thread; ``enter`` costs about a microsecond.
+
+    ``enter(section, step)`` marks that the main thread now does ``section`` of
+    ``step``. Time spent in the previous section is charged to it; when ``step``
+    grows, the previous step is recorded in the ring. A step number that goes
+    down (a rollback) drops the partial step.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        self.rank = rank
+        self.path = progress_path(run_dir, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        now = time.monotonic_ns()
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(b"\0" * SLOT_SIZE)
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, SLOT_SIZE)
+        finally:
+            os.close(fd)
+        self._pid = os.getpid()
+        self._start = now
+        self._counter = 0
+        self._step = -1
+        self._code = section_code(Section.STARTUP)
+        self._t = now
+        self._step_t = now
+        self._steps_done = 0
+        self._flags = 0
+        self._seq = 0
+        self._acc = [0] * NSECT
+        self._stats = [0] * (3 * NSECT)
+        self._write_header()
+        os.replace(tmp, self.path)
+
+    def _write_header(self) -> None:
+        _HEADER.pack_into(
+            self._mm, 0, MAGIC, VERSION, self._pid, self._flags, self._seq, self._counter,
+            self._step, self._code, 0, self._t, self._start, self._steps_done,
+        )
+
+    def enter(self, section: str | Section, step: int) -> None:
+        now = time.monotonic_ns()
+        code = section_code(section)
+        prev = self._code
+        dt = now - self._t
+        self._acc[prev] += dt
+        st = self._stats
+        st[3 * prev] += 1
+        st[3 * prev + 1] += dt
+        if dt > st[3 * prev + 2]:
+            st[3 * prev + 2] = dt
+        mm = self._mm
+        self._seq += 1
+        struct.pack_into("<Q", mm, _SEQ_OFF, self._seq)
+        if step != self._step:
+            if step > self._step >= 0:
+                slot = self._steps_done % RING
+                _ENTRY.pack_into(mm, _RING_OFF + slot * _ENTRY.size, self._step, now, now - self._step_t, *self._acc)
+                self._steps_done += 1
+            self._acc = [0] * NSECT
+            self._step_t = now
+            self._step = step
+        self._code = code
+        self._t = now
+        self._counter += 1
+        self._seq += 1
+        _STATS.pack_into(mm, _STATS_OFF, *st)
+        _HEADER.pack_into(
+            mm, 0, MAGIC, VERSION, self._pid, self._flags, self._seq, self._counter,
+            step, code, 0, now, self._start, self._steps_done,
+        )
+
+    def close(self) -> None:
+        """Marks the slot closed (the rank finished): hang detection ignores it from now on."""
+        if self._mm.closed:
+            return
+        self._flags |= FLAG_CLOSED
+        self._seq += 2
+        self._write_header()
+        self._mm.close()
+
+    def __enter__(self) -> "ProgressReporter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ProgressReader:
+    """Reads one rank's slot from another process; never blocks, tolerates a missing file."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
+        self.rank = rank
+        self.path = progress_path(run_dir, rank)
+        self._mm: mmap.mmap | None = None
+        self._ino = -1
+
+    def _map(self) -> mmap.mmap | None:
+        try:
+            ino = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            self._unmap()
+            return None
+        if self._mm is not None and ino == self._ino:
+            return self._mm
+        self._unmap()
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size < SLOT_SIZE:
+                return None
+            self._ino = os.fstat(fd).st_ino
+            self._mm = mmap.mmap(fd, SLOT_SIZE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return self._mm
+
+    def _unmap(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+        self._mm = None
+        self._ino = -1
+
+    def read(self) -> ProgressSnapshot | None:
+        """A consistent snapshot, or ``None`` before the rank created its slot."""
+        mm = self._map()
+        if mm is None:
+            return None
+        raw = mm[:]
+        for _ in range(1000):
+            seq = struct.unpack_from("<Q", raw, _SEQ_OFF)[0]
+            if seq % 2 == 0:
+                raw2 = mm[:]
+                if struct.unpack_from("<Q", raw2, _SEQ_OFF)[0] == seq:
+                    break
+                raw = raw2
+            else:
+                raw = mm[:]
+        # A writer stopped inside its update leaves an odd sequence: the header is still usable.
+        return _parse(self.rank, self._ino, raw)
+
+    def steps(self, snap: ProgressSnapshot, since: int) -> list[StepRecord]:
+        """Completed steps with index ``>= since`` still in the ring of ``snap``."""
+        first = max(since, snap.steps_done - RING)
+        out = []
+        for i in range(first, snap.steps_done):
+            step, end, dur, *secs = _ENTRY.unpack_from(snap.raw, _RING_OFF + (i % RING) * _ENTRY.size)
+            out.append(StepRecord(
+                step=step, end_s=end / 1e9, step_s=dur / 1e9,
+                sections_s={name: ns / 1e9 for name, ns in zip(SECTIONS, secs)},
+            ))
+        return out
+
+    def close(self) -> None:
+        self._unmap()
+
+
+def _parse(rank: int, ino: int, raw: bytes) -> ProgressSnapshot | None:
+    magic, version, pid, flags, _seq, counter, step, code, _pad, t, start, done = _HEADER.unpack_from(raw, 0)
+    if magic != MAGIC or version != VERSION:
+        return None
+    stats = _STATS.unpack_from(raw, _STATS_OFF)
+    return ProgressSnapshot(
+        rank=rank, pid=pid, identity=(ino, pid, start), closed=bool(flags & FLAG_CLOSED),
+        counter=counter, step=step, section=SECTIONS[code] if 0 <= code < NSECT else "startup",
+        last_progress_s=t / 1e9, started_s=start / 1e9, steps_done=done,
+        section_count={s: stats[3 * i] for i, s in enumerate(SECTIONS)},
+        section_total_s={s: stats[3 * i + 1] / 1e9 for i, s in enumerate(SECTIONS)},
+        section_max_s={s: stats[3 * i + 2] / 1e9 for i, s in enumerate(SECTIONS)},
+        raw=raw,
+    )

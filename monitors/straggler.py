@@ -1,0 +1,197 @@
+"""Straggler scores from the per-step timings in the progress slots.
+
+Every ``report_interval_s`` the detector takes the steps each rank completed
+since the last report and computes, over the rank's own work (``sections``,
+by default data + forward + backward + optimizer, so time spent waiting for
+peers in a collective does not count):
+
+- relative score = the best rank's median / this rank's median;
+- individual score = this rank's best interval median so far / its current one.
+
+A rank is flagged when a score named in ``scores`` stays below ``threshold``
+for ``patience`` consecutive intervals. The decision carries the policy's
+action ("log" or "replace"); the agent acts on it. ``enabled`` and
+``threshold`` can be overridden at run time through ``monitors.control``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from monitors.control import read_control
+from monitors.progress import ProgressReader
+from monitors.sections import COMPUTE_SECTIONS, SECTIONS
+
+__all__ = ["RankScore", "StragglerConfig", "StragglerDecision", "StragglerDetector", "StragglerReport"]
+
+POLICIES = ("log", "replace")
+SCORES = ("relative", "individual")
+
+
+@dataclass(kw_only=True)
+class StragglerConfig:
+    enabled: bool = True
+    threshold: float = 0.75
+    report_interval_s: float = 5.0
+    patience: int = 2
+    min_steps: int = 3
+    policy: str = "log"
+    sections: tuple[str, ...] = COMPUTE_SECTIONS
+    scores: tuple[str, ...] = ("relative",)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.threshold <= 1:
+            raise ValueError(f"StragglerConfig.threshold must be in (0, 1], got {self.threshold}")
+        if self.report_interval_s <= 0:
+            raise ValueError(f"StragglerConfig.report_interval_s must be > 0, got {self.report_interval_s}")
+        if self.patience < 1 or self.min_steps < 1:
+            raise ValueError("StragglerConfig.patience and min_steps must be >= 1")
+        if self.policy not in POLICIES:
+            raise ValueError(f"StragglerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if not self.sections or set(self.sections) - set(SECTIONS):
+            raise ValueError(f"StragglerConfig.sections must be a non-empty subset of {SECTIONS}")
+        if not self.scores or set(self.scores) - set(SCORES):
+            raise ValueError(f"StragglerConfig.scores must be a non-empty subset of {SCORES}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankScore:
+    rank: int
+    steps: int  # steps completed in this interval
+    last_step: int
+    step_s: float  # median step time
+    work_s: float  # median time in the scored sections
+    sections_s: dict[str, float]  # median per section
+    relative: float
+    individual: float
+    intervals_below: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerDecision:
+    rank: int
+    action: str  # "log" or "replace"
+    relative: float
+    individual: float
+    intervals_below: int
+    new: bool  # first interval this rank is flagged (act once on it)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerReport:
+    interval: int
+    time: float  # monotonic seconds
+    enabled: bool
+    threshold: float
+    scores: dict[int, RankScore]
+    flagged: list[StragglerDecision]
+
+
+class StragglerDetector:
+    """Polled by the node agent; reads the ranks' progress slots, never blocks."""
+
+    def __init__(self, config: StragglerConfig, run_dir: str | os.PathLike[str], ranks: Iterable[int]) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self._readers = {r: ProgressReader(run_dir, r) for r in ranks}
+        self._cursor: dict[int, tuple[tuple[int, int, int], int]] = {}
+        self._best: dict[int, float] = {}
+        self._below: dict[int, int] = {}
+        self._interval = 0
+        self._next = time.monotonic() + config.report_interval_s
+        self.last: StragglerReport | None = None
+
+    def reset(self, rank: int) -> None:
+        """``rank`` was replaced: forget its history."""
+        if rank not in self._readers:
+            self._readers[rank] = ProgressReader(self.run_dir, rank)
+        self._best.pop(rank, None)
+        self._below.pop(rank, None)
+
+    def remove(self, rank: int) -> None:
+        reader = self._readers.pop(rank, None)
+        if reader is not None:
+            reader.close()
+        for d in (self._cursor, self._best, self._below):
+            d.pop(rank, None)
+
+    def poll(self, now: float | None = None) -> StragglerReport | None:
+        """A report when an interval has elapsed since the last one, else ``None``."""
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return None
+        self._next = now + self.config.report_interval_s
+        return self.report(now)
+
+    def report(self, now: float | None = None) -> StragglerReport:
+        """Scores the steps completed since the previous report."""
+        now = time.monotonic() if now is None else now
+        ctl = read_control(self.run_dir)
+        enabled = self.config.enabled if ctl.enabled is None else ctl.enabled
+        threshold = self.config.threshold if ctl.threshold is None else ctl.threshold
+        self._interval += 1
+        fresh = self._collect()
+        if not enabled:
+            self._below.clear()
+            self.last = StragglerReport(interval=self._interval, time=now, enabled=False,
+                                        threshold=threshold, scores={}, flagged=[])
+            return self.last
+        medians = {}
+        for rank, records in fresh.items():
+            if len(records) >= self.config.min_steps:
+                work = [sum(r.sections_s[s] for s in self.config.sections) for r in records]
+                medians[rank] = (records, statistics.median(work))
+        best = min((m for _, m in medians.values()), default=0.0)
+        scores: dict[int, RankScore] = {}
+        flagged: list[StragglerDecision] = []
+        for rank, (records, work_s) in sorted(medians.items()):
+            relative = _ratio(best, work_s)
+            self._best[rank] = min(self._best.get(rank, work_s), work_s)
+            individual = _ratio(self._best[rank], work_s)
+            values = {"relative": relative, "individual": individual}
+            if any(values[s] < threshold for s in self.config.scores):
+                self._below[rank] = self._below.get(rank, 0) + 1
+            else:
+                self._below[rank] = 0
+            below = self._below[rank]
+            scores[rank] = RankScore(
+                rank=rank, steps=len(records), last_step=records[-1].step,
+                step_s=statistics.median(r.step_s for r in records), work_s=work_s,
+                sections_s={s: statistics.median(r.sections_s[s] for r in records) for s in SECTIONS},
+                relative=relative, individual=individual, intervals_below=below,
+            )
+            if below >= self.config.patience:
+                flagged.append(StragglerDecision(
+                    rank=rank, action=self.config.policy, relative=relative, individual=individual,
+                    intervals_below=below, new=below == self.config.patience,
+                ))
+        self.last = StragglerReport(interval=self._interval, time=now, enabled=True,
+                                    threshold=threshold, scores=scores, flagged=flagged)
+        return self.last
+
+    def _collect(self) -> dict[int, list]:
+        out = {}
+        for rank, reader in self._readers.items():
+            snap = reader.read()
+            if snap is None:
+                continue
+            ident, seen = self._cursor.get(rank, (None, 0))
+            if ident != snap.identity:
+                seen = 0
+            out[rank] = reader.steps(snap, seen)
+            self._cursor[rank] = (snap.identity, snap.steps_done)
+        return out
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+
+
+def _ratio(num: float, den: float) -> float:
+    if den <= 0:
+        return 1.0
+    return min(1.0, num / den)
