@@ -1,0 +1,60 @@
+"""Faults as data: what goes wrong, where, and when."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any, Iterable
+
+__all__ = ["Fault", "FaultKind", "Phase", "dumps_faults", "loads_faults"]
+
+
+class FaultKind(str, Enum):
+    KILL = "kill"  # SIGKILL of the rank's process
+    RAISE = "raise"  # an exception inside the step
+    HANG = "hang"  # SIGSTOP of the rank's process (the agent's hang detection must catch it)
+
+
+class Phase(str, Enum):
+    """The named points the supervisor reports inside and around a step."""
+
+    DATA = "data"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    ALL_REDUCE = "all-reduce"
+    OPTIMIZER = "optimizer"
+    BETWEEN_STEPS = "between-steps"
+    HEAL = "heal"  # a replacement copying state from a peer during recovery
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One fault. ``step`` None means the first time the phase is reached at all."""
+
+    kind: FaultKind
+    rank: int
+    phase: Phase
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FaultKind(self.kind))
+        object.__setattr__(self, "phase", Phase(self.phase))
+        if self.rank < 0:
+            raise ValueError(f"fault rank must be >= 0, got {self.rank}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"], d["phase"] = self.kind.value, self.phase.value
+        return d
+
+
+def dumps_faults(faults: Iterable[Fault]) -> str:
+    return json.dumps([f.to_dict() for f in faults])
+
+
+def loads_faults(text: str) -> list[Fault]:
+    data = json.loads(text) if text else []
+    if not isinstance(data, list):
+        raise ValueError("faults must be a JSON list")
+    return [Fault(**d) for d in data]

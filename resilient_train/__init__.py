@@ -1,0 +1,23 @@
+"""resilient-train: a fault-tolerant training runtime for PyTorch.
+
+Wrap an existing loop::
+
+    state = resilient_train.TrainState(model=model, optimizer=optimizer)
+    resilient_train.Supervisor(resilient_train.SupervisorConfig(steps=1000)).run(train_step, state)
+"""
+
+from resilient_train.env import WorkerEnv
+from resilient_train.supervisor import GenerationFailed, StepContext, Supervisor, SupervisorConfig
+from resilient_train.train_state import Stateful, TrainState
+
+__all__ = [
+    "GenerationFailed",
+    "StepContext",
+    "Stateful",
+    "Supervisor",
+    "SupervisorConfig",
+    "TrainState",
+    "WorkerEnv",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,71 @@
+"""Environment variables between the agent and its workers, as typed constants.
+
+The torchrun names (RANK, LOCAL_RANK, WORLD_SIZE, ...) are set too, so a script
+written for torchrun runs unmodified under ``resilient-train run``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = [
+    "RT_AGENT",
+    "RT_CHAOS",
+    "RT_GENERATION",
+    "RT_ROLE",
+    "RT_RUN_DIR",
+    "WorkerEnv",
+]
+
+# torchrun's names.
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+# Ours.
+RT_AGENT = "RT_AGENT"  # "1" when a resilient-train agent hosts the store and respawns ranks
+RT_RUN_DIR = "RT_RUN_DIR"  # where events.jsonl, final/ and checkpoints go
+RT_GENERATION = "RT_GENERATION"  # the generation the worker was spawned into
+RT_ROLE = "RT_ROLE"  # "initial" or "replacement"
+RT_CHAOS = "RT_CHAOS"  # JSON list of faults to inject (see chaos.faults)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnv:
+    """What a worker learns from its environment."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    under_agent: bool
+    run_dir: str | None
+    generation: int
+    replacement: bool
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or MASTER_PORT in os.environ
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "WorkerEnv":
+        env = os.environ if environ is None else environ
+        return cls(
+            rank=int(env.get(RANK, "0")),
+            local_rank=int(env.get(LOCAL_RANK, "0")),
+            world_size=int(env.get(WORLD_SIZE, "1")),
+            master_addr=env.get(MASTER_ADDR, "127.0.0.1"),
+            master_port=int(env.get(MASTER_PORT, "0")),
+            under_agent=env.get(RT_AGENT) == "1",
+            run_dir=env.get(RT_RUN_DIR) or None,
+            generation=int(env.get(RT_GENERATION, "0")),
+            replacement=env.get(RT_ROLE) == "replacement",
+        )

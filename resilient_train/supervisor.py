@@ -1,0 +1,412 @@
+"""The supervisor: runs a training loop inside a rank and keeps it alive.
+
+A user hands it a step function and a :class:`TrainState`; it builds the
+process group of each generation, snapshots the state at every step boundary,
+and on any fault (an exception in the step, a dead peer surfacing as a
+collective error, another party declaring the generation failed) it aborts the
+process group, rolls back, joins the next generation, heals replacement ranks
+from a peer and carries on. See shared/DESIGN.md, "Recovery protocol".
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from chaos import Fault, Injector, Phase, loads_faults
+from monitors import EventLog
+from resilient_train import env as envvars
+from resilient_train.dataparallel import GradientAverager
+from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
+from resilient_train.heal import broadcast_state
+from resilient_train.lifecycle import Lifecycle, SupervisorState
+from resilient_train.snapshot import SnapshotRing
+from resilient_train.store import Keys, current_generation, declare_fault, read_fault, wait_until
+from resilient_train.train_state import TrainState, decode_local, encode_local
+
+__all__ = ["GenerationFailed", "RunFinished", "StepContext", "Supervisor", "SupervisorConfig"]
+
+
+@dataclass(kw_only=True)
+class SupervisorConfig:
+    steps: int
+    backend: str = "auto"  # "gloo", "nccl", or "auto" (nccl when CUDA is available)
+    pg_timeout_s: float = 30.0  # gloo cannot be aborted: this bounds a collective stuck on a silent peer
+    join_timeout_s: float = 120.0
+    max_recoveries: int = 32
+    intra_op_threads: int | None = 1  # a fixed count keeps CPU results reproducible; None leaves torch's
+    deterministic: bool = True
+    write_final: bool = True
+    watch_interval_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
+
+
+class GenerationFailed(RuntimeError):
+    """Another party declared the current generation failed."""
+
+
+class StepContext:
+    """What a step function sees: its rank, the step, and the named phases."""
+
+    def __init__(self, sup: "Supervisor") -> None:
+        self._sup = sup
+        self.rank = sup.env.rank
+        self.world_size = sup.env.world_size
+        self.device = sup.device
+        self.step = 0
+        self.phase: Phase = Phase.BETWEEN_STEPS
+
+    @property
+    def generation(self) -> int:
+        return self._sup.generation
+
+    def enter(self, phase: Phase | str) -> None:
+        """Marks the start of a phase: faults are noticed and injected here."""
+        self.phase = Phase(phase)
+        self._sup._checkpoint_phase(self.phase, self.step)
+
+    def average_gradients(self) -> None:
+        """The data-parallel gradient all-reduce, as its own phase."""
+        self.enter(Phase.ALL_REDUCE)
+        self._sup._averager()
+
+
+StepFn = Callable[[StepContext], Any]
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig, *, env: envvars.WorkerEnv | None = None) -> None:
+        self.config = config
+        self.env = env or envvars.WorkerEnv.from_environ()
+        self.lifecycle = Lifecycle()
+        self.generation = -1
+        self.recoveries = 0
+        self.device = self._pick_device()
+        run_dir = self.env.run_dir
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.events = EventLog(self.run_dir / "events.jsonl" if self.run_dir else None, source=f"rank{self.env.rank}")
+        self.store = self._connect_store()
+        self._ring = SnapshotRing(2)
+        self._generation_moved = threading.Event()
+        self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._injector = Injector(
+            loads_faults(os.environ.get(envvars.RT_CHAOS, "")),
+            rank=self.env.rank,
+            claim=lambda i: self.store.add(Keys.chaos_fired(i), 1) == 1,
+            announce=self._announce_fault,
+        )
+        self._averager: GradientAverager
+        self._timings: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- setup
+    def _pick_device(self) -> torch.device:
+        backend = self._backend()
+        if backend == "nccl":
+            torch.cuda.set_device(self.env.local_rank)
+            return torch.device("cuda", self.env.local_rank)
+        return torch.device("cpu")
+
+    def _backend(self) -> str:
+        if self.config.backend == "auto":
+            return "nccl" if torch.cuda.is_available() else "gloo"
+        return self.config.backend
+
+    def _connect_store(self) -> dist.Store:
+        env = self.env
+        timeout = timedelta(seconds=self.config.join_timeout_s)
+        if env.under_agent or os.environ.get(envvars.TORCHELASTIC_USE_AGENT_STORE) == "True":
+            return dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+        if envvars.MASTER_PORT not in os.environ:
+            # Alone, with no launcher: an in-process store.
+            return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
+        # Plain torchrun with its own store disabled: rank 0 hosts, as env:// would.
+        return dist.TCPStore(
+            env.master_addr, env.master_port, world_size=env.world_size, is_master=env.rank == 0, timeout=timeout,
+            wait_for_workers=False,
+        )
+
+    # -------------------------------------------------------------- the run
+    def run(self, step_fn: StepFn, state: TrainState, *, on_new_group: Callable[[], None] | None = None) -> TrainState:
+        """Runs ``step_fn`` until ``state.step == config.steps``, through faults."""
+        if dist.is_initialized():
+            raise ValueError("the supervisor builds the process group itself: do not call init_process_group")
+        if self.config.intra_op_threads is not None:
+            torch.set_num_threads(self.config.intra_op_threads)
+        if self.config.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.state = state
+        self._averager = GradientAverager(state.model.parameters())
+        self.ctx = StepContext(self)
+        self.store.set(Keys.supervised(self.env.rank), str(os.getpid()))
+        self.events.emit(
+            "run_start", rank=self.env.rank, pid=os.getpid(), world_size=self.env.world_size,
+            replacement=self.env.replacement, steps=self.config.steps,
+        )
+        self._start_watch()
+        fresh = not self.env.replacement
+        try:
+            while True:
+                try:
+                    self._generation_round(step_fn, fresh, on_new_group)
+                    break
+                except RunFinished:
+                    self.lifecycle.to(SupervisorState.DONE)
+                    break
+                except (KeyboardInterrupt, SystemExit, JoinError):
+                    self.lifecycle.to(SupervisorState.FAILED)
+                    raise
+                except Exception as exc:  # any fault: the protocol is the same
+                    fresh = False
+                    self._recover_from(exc)
+        finally:
+            self._stop_watch.set()
+            if self._watcher is not None:
+                self._watcher.join(timeout=5)
+            self._destroy_group()
+        self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step, recoveries=self.recoveries)
+        return state
+
+    def _generation_round(self, step_fn: StepFn, fresh: bool, on_new_group: Callable[[], None] | None) -> None:
+        self.lifecycle.to(SupervisorState.JOINING)
+        t0 = time.monotonic()
+        me = Membership(
+            rank=self.env.rank,
+            pid=os.getpid(),
+            snapshot_steps=self._ring.steps(),
+            local_steps=self._published_local_steps() if not self._ring.steps() else [],
+            replacement=self.env.replacement,
+            fresh=fresh,
+        )
+        plan = self._join(me)
+        self.generation = plan.generation
+        self._generation_moved.clear()
+        self._init_group(plan.generation)
+        self._timings["rendezvous_s"] = time.monotonic() - t0
+        self.lifecycle.to(SupervisorState.RESTORING)
+        t1 = time.monotonic()
+        self._restore(plan)
+        self._timings["heal_s"] = time.monotonic() - t1
+        if on_new_group is not None:
+            on_new_group()
+        self._report_recovery(plan)
+        self.lifecycle.to(SupervisorState.TRAINING)
+        self._train(step_fn)
+        self.lifecycle.to(SupervisorState.FINISHING)
+        self._finish()
+        self.lifecycle.to(SupervisorState.DONE)
+
+    def _join(self, me: Membership) -> ResumePlan:
+        if self.store.check([Keys.FINAL]):
+            raise RunFinished()
+        return join_generation(
+            self.store, world_size=self.env.world_size, me=me, timeout=self.config.join_timeout_s,
+            finished=lambda: self.store.check([Keys.FINAL]),
+        )
+
+    def _init_group(self, g: int) -> None:
+        prefix = dist.PrefixStore(Keys.pg_prefix(g), self.store)
+        kwargs: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device
+        dist.init_process_group(
+            self._backend(), store=prefix, rank=self.env.rank, world_size=self.env.world_size,
+            timeout=timedelta(seconds=self.config.pg_timeout_s), **kwargs,
+        )
+
+    def _destroy_group(self) -> None:
+        if not dist.is_initialized():
+            return
+        try:
+            if self.device.type == "cuda":
+                dist.distributed_c10d._abort_process_group()
+            dist.destroy_process_group()
+        except Exception:  # a broken group: nothing left to release
+            pass
+
+    # -------------------------------------------------------------- restore
+    def _restore(self, plan: ResumePlan) -> None:
+        state = self.state
+        if plan.source is ResumeSource.START:
+            self._snapshot()
+            return
+        if plan.source is ResumeSource.DISK:
+            raise JoinError("no step is held by every rank and no checkpoint is configured to fall back on")
+        assert plan.step is not None and plan.heal_from is not None
+        mine = self._ring.steps()
+        if mine:
+            snap = self._ring.get(plan.step)
+            replicated = snap.replicated()
+            local = snap.local
+        else:
+            replicated = None
+            local = self._read_published_local(plan.step)
+        self._checkpoint_phase(Phase.HEAL, plan.step)
+        if plan.replacements:
+            healed = broadcast_state(replicated, src=plan.heal_from, device=self.device)
+            if replicated is None:
+                replicated = healed
+        state.load_replicated(replicated)
+        state.load_local(decode_local(local))
+        assert state.step == plan.step, (state.step, plan.step)
+        self._ring.drop_after(plan.step)
+        self._snapshot()
+
+    # ---------------------------------------------------------------- train
+    def _train(self, step_fn: StepFn) -> None:
+        state, ctx = self.state, self.ctx
+        while state.step < self.config.steps:
+            ctx.step = state.step
+            out = step_fn(ctx)
+            state.step += 1
+            self._snapshot()
+            if self.env.rank == 0:
+                self.events.emit("step_done", step=state.step, loss=_as_float(out), generation=self.generation)
+            ctx.enter(Phase.BETWEEN_STEPS)
+
+    def _snapshot(self) -> None:
+        state = self.state
+        local = encode_local(state.local_state_dict())
+        self._ring.capture(state.step, state.replicated_state_dict(), local)
+        self.store.set(Keys.local_state(self.env.rank, state.step % 2), f"{state.step}\n".encode() + local)
+
+    def _published_local_steps(self) -> list[int]:
+        steps = []
+        for slot in (0, 1):
+            key = Keys.local_state(self.env.rank, slot)
+            if self.store.check([key]):
+                steps.append(int(self.store.get(key).split(b"\n", 1)[0]))
+        return sorted(steps)
+
+    def _read_published_local(self, step: int) -> bytes:
+        head, payload = self.store.get(Keys.local_state(self.env.rank, step % 2)).split(b"\n", 1)
+        assert int(head) == step, (int(head), step)
+        return payload
+
+    def _checkpoint_phase(self, phase: Phase, step: int) -> None:
+        if self._generation_moved.is_set():
+            raise GenerationFailed(f"generation {self.generation} was declared failed")
+        if self._injector:
+            self._injector.at(phase, step)
+
+    # --------------------------------------------------------------- finish
+    def _finish(self) -> None:
+        g, world = self.generation, self.env.world_size
+        self.store.add(Keys.done(g), 1)
+        self._wait_or_fail(lambda: self.store.add(Keys.done(g), 0) >= world, "every rank to finish")
+        if self.env.rank == 0:
+            if self.config.write_final and self.run_dir is not None:
+                self._write_final()
+            self.store.set(Keys.FINAL, str(g))
+        else:
+            self._wait_or_fail(lambda: self.store.check([Keys.FINAL]), "the final state")
+
+    def _wait_or_fail(self, predicate: Callable[[], bool], what: str) -> None:
+        def settled() -> bool:
+            return predicate() or self._generation_moved.is_set() or self.store.check([Keys.FINAL])
+
+        wait_until(settled, timeout=self.config.join_timeout_s, what=what)
+        if not predicate() and self.store.check([Keys.FINAL]):
+            raise RunFinished()
+        if not predicate():
+            raise GenerationFailed(f"generation {self.generation} was declared failed")
+
+    def _write_final(self) -> None:
+        from checkpointing import write_state
+
+        steps = self.config.steps
+        locals_ = {}
+        for r in range(self.env.world_size):
+            head, payload = self.store.get(Keys.local_state(r, steps % 2)).split(b"\n", 1)
+            assert int(head) == steps, f"rank {r} published step {int(head)}, expected {steps}"
+            locals_[r] = decode_local(payload)
+        path = self.run_dir / "final"  # type: ignore[operator]
+        write_state(path, self.state.state_dict(local_states=locals_), step=steps,
+                    extras={"world_size": self.env.world_size})
+        self.events.emit("final_state_written", path=str(path), step=steps)
+
+    # ------------------------------------------------------------- recovery
+    def _recover_from(self, exc: BaseException) -> None:
+        self.lifecycle.to(SupervisorState.RECOVERING)
+        t_detect = time.time()
+        g = self.generation
+        kind = type(exc).__name__
+        first = False
+        if g >= 0:
+            first = declare_fault(self.store, g, {"rank": self.env.rank, "kind": kind, "time": t_detect,
+                                                  "step": self.ctx.step, "phase": self.ctx.phase.value})
+        cause = read_fault(self.store, g) if g >= 0 else None
+        self.recoveries += 1
+        self.events.emit(
+            "fault_detected", rank=self.env.rank, generation=g, step=self.ctx.step, phase=self.ctx.phase.value,
+            kind=kind, error=str(exc)[:300], first_reporter=first, cause=cause,
+        )
+        if self.recoveries > self.config.max_recoveries:
+            raise RuntimeError(f"gave up after {self.config.max_recoveries} recoveries") from exc
+        t0 = time.monotonic()
+        self._destroy_group()
+        fault_time = float(cause["time"]) if cause and "time" in cause else t_detect
+        self._timings = {
+            "detect_s": max(0.0, t_detect - fault_time),
+            "abort_s": time.monotonic() - t0,
+            "fault_step": float(self.ctx.step),
+        }
+
+    def _report_recovery(self, plan: ResumePlan) -> None:
+        if "detect_s" not in self._timings:
+            return  # a fresh start, not a recovery
+        t = self._timings
+        self.events.emit(
+            "recovery_done", rank=self.env.rank, generation=plan.generation, resume_step=plan.step,
+            replacements=plan.replacements, detect_s=t["detect_s"], abort_s=t["abort_s"],
+            rendezvous_s=t["rendezvous_s"], heal_s=t["heal_s"],
+            steps_redone=max(0, int(t["fault_step"]) - (plan.step or 0)),
+        )
+        self._timings = {}
+
+    def _announce_fault(self, fault: Fault) -> None:
+        self.events.emit("fault_injected", rank=self.env.rank, pid=os.getpid(), **fault.to_dict(), at_step=self.ctx.step)
+
+    # ---------------------------------------------------------------- watch
+    def _start_watch(self) -> None:
+        self._watcher = threading.Thread(target=self._watch, name=f"rt-watch-rank{self.env.rank}", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """Notices a generation declared failed elsewhere, while the main thread computes."""
+        client = self.store.clone()  # its own connection: the main thread's may be mid-request
+        while not self._stop_watch.wait(self.config.watch_interval_s):
+            g = self.generation
+            if g < 0 or self._generation_moved.is_set():
+                continue
+            try:
+                moved = current_generation(client) > g
+            except Exception:
+                continue
+            if moved and g == self.generation:
+                self._generation_moved.set()
+                if self.device.type == "cuda" and dist.is_initialized():
+                    # NCCL can be aborted from another thread; gloo cannot, and
+                    # relies on the dead peer's closed sockets.
+                    dist.distributed_c10d._abort_process_group()
+
+
+def _as_float(x: Any) -> float | None:
+    if isinstance(x, torch.Tensor):
+        return float(x.detach().float().item())
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None
