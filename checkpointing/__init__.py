@@ -1,1 +1,18 @@
-"""checkpointing package."""
+"""Checkpoints in the torch.distributed.checkpoint format with an atomic commit protocol.
+
+Single process: :func:`write_state`, :func:`read_state`, :func:`diff_states`.
+Many ranks, asynchronous: :class:`CheckpointManager` with :class:`CheckpointConfig`.
+"""
+
+from checkpointing.diff import diff_states
+from checkpointing.manifest import CheckpointError, Manifest, verify_checkpoint
+from checkpointing.state_files import read_state, write_state
+
+__all__ = [
+    "CheckpointError",
+    "Manifest",
+    "diff_states",
+    "read_state",
+    "verify_checkpoint",
+    "write_state",
+]

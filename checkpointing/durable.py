@@ -1,0 +1,73 @@
+"""Durable file operations: fsync'd writes, atomic replacement, checksums.
+
+Everything the commit protocol relies on for crash safety lives here, so the
+ordering rules (write, fsync the file, rename, fsync the parent) are in one place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "atomic_write_bytes",
+    "file_sha256",
+    "fsync_dir",
+    "fsync_file",
+    "remove_tree",
+]
+
+CHECKSUM_ALGORITHM = "sha256"
+_CHUNK = 8 * 1024 * 1024
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Makes renames and creations inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replaces ``path`` by ``data`` so that readers see the old or the new file, never a torn one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def file_sha256(path: Path) -> tuple[int, str]:
+    """Returns ``(size, hex digest)`` of a file, read in chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def remove_tree(path: Path) -> None:
+    """Deletes a directory tree; a concurrent deletion of the same tree is not an error."""
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,108 @@
+"""Single-process checkpoint files: ``write_state`` and ``read_state``.
+
+``write_state`` is the synchronous, one-process form of the commit protocol (used
+for final states and by tools); the :class:`~checkpointing.manager.CheckpointManager`
+writes the same format from many ranks. ``read_state`` reads either.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+from checkpointing.commit import TMP_SUFFIX, commit_checkpoint, describe_files
+from checkpointing.dcp_io import read_tensors, write_shard
+from checkpointing.durable import remove_tree
+from checkpointing.manifest import Manifest, verify_checkpoint
+from checkpointing.tree import flatten_state, skeleton_keys, unflatten_state
+
+__all__ = ["LOCAL_PREFIX", "RANKS_KEY", "local_prefix", "read_state", "write_state"]
+
+LOCAL_PREFIX = "__rank"
+RANKS_KEY = "__ranks__"
+
+
+def local_prefix(rank: int) -> str:
+    """Key prefix of a rank's own (not replicated) entries inside the DCP files."""
+    return f"{LOCAL_PREFIX}{rank}__"
+
+
+def write_state(
+    directory: str | os.PathLike[str],
+    state: dict[str, Any],
+    *,
+    step: int,
+    extras: dict[str, Any] | None = None,
+    run_id: str | None = None,
+) -> Path:
+    """Writes ``state`` as a committed checkpoint at ``directory`` and returns its path.
+
+    Tensors go to DCP files (``dcp.load`` reads them), plain values into the
+    manifest. The directory appears complete or not at all.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"write_state: state must be a dict, got {type(state).__name__}")
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"write_state: step must be a non-negative int, got {step!r}")
+    final = Path(directory)
+    if final.name.endswith(TMP_SUFFIX):
+        raise ValueError(f"write_state: directory name must not end in {TMP_SUFFIX!r}: {final}")
+    flat, tree = flatten_state(state)
+    extras = dict(extras or {})
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    remove_tree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        cpu = {k: v.to("cpu") for k, v in flat.items()}
+        names = write_shard(tmp, 0, cpu)
+        commit_checkpoint(
+            tmp,
+            final,
+            step=step,
+            world_size=1,
+            files_by_rank={0: describe_files(tmp, names)},
+            tree=tree,
+            local_trees={},
+            extras=extras,
+            run_id=run_id,
+        )
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    return final
+
+
+def read_state(
+    directory: str | os.PathLike[str],
+    *,
+    rank: int | None = None,
+    run_id: str | None = None,
+) -> tuple[dict[str, Any], Manifest]:
+    """Verifies a committed checkpoint (manifest, sizes, checksums), then reads it.
+
+    ``rank=None`` returns the whole checkpoint: the replicated state, plus each
+    saving rank's own entries under ``"__ranks__"`` when there are any. ``rank=r``
+    returns what rank ``r`` saved (replicated entries and its own); a rank the
+    checkpoint has no entries for gets the replicated entries only.
+    Raises :class:`~checkpointing.manifest.CheckpointError` naming the bad file.
+    """
+    path = Path(directory)
+    manifest = verify_checkpoint(path, run_id=run_id)
+    trees = dict(manifest.local_trees)
+    wanted = [r for r in sorted(trees) if rank is None or r == rank]
+    keys = skeleton_keys(manifest.tree)
+    for r in wanted:
+        keys += skeleton_keys(trees[r])
+    tensors = read_tensors(path, keys)
+    state = unflatten_state(manifest.tree, tensors.__getitem__)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: checkpoint root is not a dict")
+    if rank is None:
+        if wanted:
+            state[RANKS_KEY] = {r: unflatten_state(trees[r], tensors.__getitem__) for r in wanted}
+    else:
+        for r in wanted:
+            state.update(unflatten_state(trees[r], tensors.__getitem__))
+    return state, manifest

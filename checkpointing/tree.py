@@ -1,0 +1,92 @@
+"""Nested state <-> flat tensors plus a JSON skeleton.
+
+A state is a tree of dicts, lists and tuples whose leaves are tensors or plain
+JSON data (int, float, bool, str, None). Tensors are flattened to dotted keys
+(``model.layer.weight``, ``optim.state.0.exp_avg``: the names DCP's own
+flattening gives a nested dict), and the tree itself, with plain values inline
+and tensors replaced by their keys, becomes a JSON skeleton stored in the
+manifest. Nothing is ever pickled.
+
+Skeleton encoding: ``{"T": key}`` tensor, ``{"V": value}`` plain value,
+``{"D": [[key, child], ...]}`` dict (keys keep their JSON type: str, int or
+bool), ``{"L": [...]}`` list, ``{"U": [...]}`` tuple.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Skeleton", "flatten_state", "unflatten_state", "skeleton_keys"]
+
+Skeleton = dict[str, Any]
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def flatten_state(state: Any, *, prefix: str = "") -> tuple[dict[str, torch.Tensor], Skeleton]:
+    """Returns ``(flat tensors by dotted key, skeleton)``; raises ``ValueError`` on unsupported leaves."""
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: str) -> Skeleton:
+        if isinstance(node, torch.Tensor):
+            if node.is_sparse or node.layout != torch.strided:
+                raise ValueError(f"checkpoint state at {path!r}: only dense (strided) tensors are supported")
+            if path in flat:
+                raise ValueError(f"checkpoint state: two entries flatten to the same key {path!r}")
+            if not path:
+                raise ValueError("checkpoint state: a bare tensor needs to sit inside a dict")
+            flat[path] = node.detach()
+            return {"T": path}
+        if isinstance(node, dict):
+            items = []
+            for k, v in node.items():
+                if not isinstance(k, (str, int)) or (isinstance(k, str) and not k):
+                    raise ValueError(f"checkpoint state at {path!r}: dict keys must be non-empty str or int, got {k!r}")
+                items.append([k, walk(v, f"{path}.{k}" if path else str(k))])
+            return {"D": items}
+        if isinstance(node, (list, tuple)):
+            children = [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
+            return {"U" if isinstance(node, tuple) else "L": children}
+        if isinstance(node, _PLAIN):
+            return {"V": node}
+        raise ValueError(
+            f"checkpoint state at {path!r}: unsupported value of type {type(node).__name__}; "
+            "leaves must be tensors or int/float/bool/str/None (nothing is pickled)"
+        )
+
+    skeleton = walk(state, prefix)
+    return flat, skeleton
+
+
+def unflatten_state(skeleton: Skeleton, resolve: Callable[[str], torch.Tensor]) -> Any:
+    """Rebuilds the nested state; ``resolve(key)`` supplies each tensor."""
+    if "T" in skeleton:
+        return resolve(skeleton["T"])
+    if "V" in skeleton:
+        return skeleton["V"]
+    if "D" in skeleton:
+        return {k: unflatten_state(child, resolve) for k, child in skeleton["D"]}
+    if "L" in skeleton:
+        return [unflatten_state(child, resolve) for child in skeleton["L"]]
+    if "U" in skeleton:
+        return tuple(unflatten_state(child, resolve) for child in skeleton["U"])
+    raise ValueError(f"malformed checkpoint skeleton node: {sorted(skeleton)}")
+
+
+def skeleton_keys(skeleton: Skeleton) -> list[str]:
+    """The tensor keys a skeleton refers to, in tree order."""
+    keys: list[str] = []
+
+    def walk(node: Skeleton) -> None:
+        if "T" in node:
+            keys.append(node["T"])
+        elif "D" in node:
+            for _, child in node["D"]:
+                walk(child)
+        elif "L" in node or "U" in node:
+            for child in node.get("L", node.get("U", [])):
+                walk(child)
+
+    walk(skeleton)
+    return keys
