@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
+import random
 import sys
 from dataclasses import dataclass
 
@@ -120,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         model = GPT(cfg).to(sup.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    torch.manual_seed(args.seed * 7919 + sup.env.rank)  # each rank its own dropout stream
+    # Each rank its own dropout stream; every RNG the job uses is seeded, so a
+    # run is a function of its arguments (the supervisor restores them all).
+    torch.manual_seed(args.seed * 7919 + sup.env.rank)
+    random.seed(args.seed * 7919 + sup.env.rank)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(args.seed * 7919 + sup.env.rank)
     state = rt.TrainState(model=model, optimizer=optimizer)
 
     def train_step(ctx: rt.StepContext) -> torch.Tensor:

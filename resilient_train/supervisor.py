@@ -378,7 +378,10 @@ class Supervisor:
         self._timings = {}
 
     def _announce_fault(self, fault: Fault) -> None:
-        self.events.emit("fault_injected", rank=self.env.rank, pid=os.getpid(), **fault.to_dict(), at_step=self.ctx.step)
+        self.events.emit(
+            "fault_injected", rank=self.env.rank, pid=os.getpid(), kind=fault.kind.value, phase=fault.phase.value,
+            step=self.ctx.step,
+        )
 
     # ---------------------------------------------------------------- watch
     def _start_watch(self) -> None:

@@ -1,0 +1,253 @@
+"""The node agent behind ``resilient-train run``.
+
+It hosts the coordination store (so any rank, rank 0 included, may die),
+spawns one worker per local rank with torchrun's environment, and watches
+them. A supervised worker that dies is replaced in place: the agent declares
+its generation failed (the survivors roll back and wait) and hands the rank to
+a warm spare. A script that does not use the supervisor gets torchrun's
+behaviour instead: every worker is restarted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+
+import torch.distributed as dist
+
+from monitors import EventLog
+from resilient_train import env as E
+from resilient_train.store import Keys, current_generation, declare_fault
+
+__all__ = ["Agent", "AgentConfig", "AgentError", "WorkerState"]
+
+
+class AgentError(RuntimeError):
+    """A reason to stop, phrased for a one-line message."""
+
+
+class WorkerState(str, Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: pick a free port
+    run_dir: str = "runs/latest"
+    max_restarts: int = 10
+    warm_spare: bool = True
+    monitor_interval_s: float = 0.05
+    chaos: str = ""  # JSON list of faults for the workers (chaos.dumps_faults)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if self.nnodes != 1:
+            raise ValueError("only --nnodes 1 is supported for now (one agent per node is planned)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"--master-port must be in [0, 65535], got {self.master_port}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not Path(self.script).is_file():
+            raise ValueError(f"script {self.script!r} does not exist")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass
+class _Worker:
+    rank: int
+    proc: subprocess.Popen
+    generation: int
+    state: WorkerState = WorkerState.RUNNING
+
+
+def _die_with_parent() -> None:
+    # Workers must not outlive the agent (PR_SET_PDEATHSIG = 1).
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self._check_run_dir()
+        self.events = EventLog(self.run_dir / "events.jsonl", source="agent")
+        self.store = self._host_store(config.master_port)
+        self.port = self.store.port
+        self.workers: dict[int, _Worker] = {}
+        self.restarts = 0
+        self._spare: subprocess.Popen | None = None
+        self._attempt = 0  # whole-group restarts (unsupervised scripts)
+
+    def _check_run_dir(self) -> None:
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.run_dir / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise AgentError(f"run directory {str(self.run_dir)!r} is not writable: {e.strerror or e}") from None
+
+    def _host_store(self, port: int) -> dist.TCPStore:
+        try:
+            store = dist.TCPStore(
+                self.config.master_addr, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
+            )
+        except (RuntimeError, OSError) as e:
+            if "in use" in str(e).lower() or "EADDRINUSE" in str(e):
+                raise AgentError(f"port {port} is already in use (pick another --master-port, or 0 for a free one)") from None
+            raise AgentError(f"cannot host the coordination store on port {port}: {str(e).splitlines()[0]}") from None
+        store.set(Keys.GENERATION, "0")
+        return store
+
+    # ---------------------------------------------------------------- spawn
+    def _worker_env(self, rank: int, generation: int, replacement: bool) -> dict[str, str]:
+        c = self.config
+        env = dict(os.environ)
+        env.update(c.env)
+        env.update({
+            E.RANK: str(rank), E.LOCAL_RANK: str(rank - c.node_rank * c.nproc_per_node),
+            E.WORLD_SIZE: str(c.world_size), E.LOCAL_WORLD_SIZE: str(c.nproc_per_node),
+            E.GROUP_RANK: str(c.node_rank), E.MASTER_ADDR: c.master_addr, E.MASTER_PORT: str(self.port),
+            E.TORCHELASTIC_USE_AGENT_STORE: "True", E.TORCHELASTIC_RESTART_COUNT: str(self._attempt),
+            E.RT_AGENT: "1", E.RT_RUN_DIR: str(self.run_dir.resolve()), E.RT_GENERATION: str(generation),
+            E.RT_ROLE: "replacement" if replacement else "initial", E.RT_CHAOS: c.chaos,
+        })
+        return env
+
+    def _argv(self) -> list[str]:
+        return [self.config.script, *self.config.script_args]
+
+    def _spawn(self, rank: int, generation: int, *, replacement: bool) -> None:
+        env = self._worker_env(rank, generation, replacement)
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.poll() is None and spare.stdin is not None:
+            spec = {"argv": self._argv(), "env": env, "cwd": os.getcwd()}
+            try:
+                spare.stdin.write(json.dumps(spec) + "\n")
+                spare.stdin.close()
+                proc = spare
+            except OSError:
+                proc = self._popen(env)
+        else:
+            proc = self._popen(env)
+        self.workers[rank] = _Worker(rank=rank, proc=proc, generation=generation)
+        self.events.emit("worker_spawned", rank=rank, pid=proc.pid, generation=generation,
+                         replacement=replacement, warm=proc is spare)
+
+    def _popen(self, env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-u", *self._argv()], env=env, preexec_fn=_die_with_parent)
+
+    def _start_spare(self) -> None:
+        if not self.config.warm_spare or (self._spare is not None and self._spare.poll() is None):
+            return
+        self._spare = subprocess.Popen(
+            [sys.executable, "-u", "-m", "resilient_train.spare"], stdin=subprocess.PIPE, text=True,
+            preexec_fn=_die_with_parent, env={**os.environ, **self.config.env},
+        )
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        c = self.config
+        self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=c.script, args=c.script_args)
+        for local in range(c.nproc_per_node):
+            self._spawn(c.node_rank * c.nproc_per_node + local, 0, replacement=False)
+        self._start_spare()
+        try:
+            while True:
+                self._poll_workers()
+                if all(w.state is WorkerState.SUCCEEDED for w in self.workers.values()):
+                    self.events.emit("agent_end", ok=True, restarts=self.restarts)
+                    return 0
+                time.sleep(c.monitor_interval_s)
+        except AgentError as e:
+            self.events.emit("agent_end", ok=False, reason=str(e), restarts=self.restarts)
+            raise
+        finally:
+            self.close()
+
+    def _poll_workers(self) -> None:
+        for w in list(self.workers.values()):
+            if w.state is not WorkerState.RUNNING:
+                continue
+            rc = w.proc.poll()
+            if rc is None:
+                continue
+            if rc == 0:
+                w.state = WorkerState.SUCCEEDED
+                continue
+            w.state = WorkerState.FAILED
+            self._on_death(w, rc)
+
+    def _on_death(self, w: _Worker, rc: int) -> None:
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+        if self.store.check([Keys.FINAL]):
+            # The final state is committed: the run is over whatever happens now.
+            self.events.emit("worker_exit_after_final", rank=w.rank, how=how)
+            w.state = WorkerState.SUCCEEDED
+            return
+        g = current_generation(self.store)
+        self.events.emit("fault_detected", rank=w.rank, kind="exit", how=how, pid=w.proc.pid, generation=g)
+        self.restarts += 1
+        if self.restarts > self.config.max_restarts:
+            raise AgentError(f"rank {w.rank} died ({how}) and the restart budget ({self.config.max_restarts}) is spent")
+        if self.store.check([Keys.supervised(w.rank)]):
+            declare_fault(self.store, g, {"rank": w.rank, "kind": "exit", "how": how, "time": time.time()})
+            self._spawn(w.rank, current_generation(self.store), replacement=True)
+            self._start_spare()
+        else:
+            self._restart_all(f"rank {w.rank} died ({how})")
+
+    def _restart_all(self, why: str) -> None:
+        """torchrun's recovery, for scripts that do not use the supervisor."""
+        self.events.emit("restart_all", reason=why, attempt=self._attempt + 1)
+        self._kill_workers()
+        self._attempt += 1
+        # A fresh store: the last attempt's rendezvous keys must not be reused.
+        self.store = self._host_store(0)
+        self.port = self.store.port
+        c = self.config
+        for local in range(c.nproc_per_node):
+            self._spawn(c.node_rank * c.nproc_per_node + local, 0, replacement=False)
+
+    def _kill_workers(self) -> None:
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                w.proc.kill()
+        for w in self.workers.values():
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self) -> None:
+        self._kill_workers()
+        if self._spare is not None and self._spare.poll() is None:
+            self._spare.kill()
+            self._spare.wait(timeout=10)

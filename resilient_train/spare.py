@@ -1,0 +1,42 @@
+"""A warm spare worker: an interpreter with torch already imported, waiting.
+
+The agent starts one ahead of need. When a rank dies, the agent writes one
+JSON line to the spare's stdin (the replacement's argv, environment and
+working directory) and the spare becomes that rank, saving the seconds a cold
+interpreter spends importing torch. If the agent goes away first, stdin closes
+and the spare exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+__all__ = ["main"]
+
+
+def main() -> int:
+    import torch  # noqa: F401  (the point of a spare: pay the import now)
+    import torch.distributed  # noqa: F401
+
+    import resilient_train  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    spec = json.loads(line)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    os.chdir(spec["cwd"])
+    argv = spec["argv"]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    sys.stdin.close()
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
