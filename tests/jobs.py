@@ -1,0 +1,69 @@
+"""Running real jobs from tests: the agent, the GPT example, and their results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+GPT = REPO / "examples" / "train_gpt.py"
+# Small enough for 4 ranks on 2 cores, big enough to have every kind of state.
+SMALL_GPT = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--log-every", "0"]
+
+
+@dataclass
+class Job:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["event"] == name]
+
+
+def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", *args], capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, env={**os.environ, **(env or {})},
+    )
+
+
+def run_gpt(
+    run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, Any]] | None = None,
+    extra: list[str] | None = None, timeout: float = 150,
+) -> Job:
+    args = ["run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir)]
+    if faults:
+        args += ["--chaos", json.dumps(faults)]
+    args += [str(GPT), "--steps", str(steps), *SMALL_GPT, *(extra or [])]
+    p = cli(*args, timeout=timeout)
+    return Job(p.returncode, p.stdout, p.stderr, run_dir)
+
+
+def ckpt_diff(a: Path, b: Path) -> subprocess.CompletedProcess:
+    return cli("ckpt", "diff", str(a), str(b), timeout=60)
+
+
+def survivors_kept_pids(job: Job, killed: set[int]) -> None:
+    """Every rank that was not killed started once and ended in the same process."""
+    starts = job.of("run_start")
+    ends = {e["rank"]: e["pid"] for e in job.of("run_end")}
+    world = starts[0]["world_size"]
+    for rank in range(world):
+        if rank in killed:
+            continue
+        pids = [e["pid"] for e in starts if e["rank"] == rank]
+        assert len(pids) == 1, f"rank {rank} started {len(pids)} times"
+        assert ends.get(rank) == pids[0], f"rank {rank} ended in pid {ends.get(rank)}, started in {pids[0]}"

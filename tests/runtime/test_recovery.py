@@ -1,0 +1,60 @@
+"""Kill and break real ranks of a real GPT job; the run must end bit for bit where a fault-free run ends."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs import ckpt_diff, run_gpt, survivors_kept_pids
+
+PHASES = ["data", "forward", "backward", "all-reduce", "optimizer", "between-steps"]
+STEPS = 12
+
+
+def _assert_recovered(job, reference, *, killed: set[int], faults: int) -> None:
+    assert job.returncode == 0, f"run failed:\n{job.stderr[-3000:]}"
+    assert len(job.of("fault_injected")) == faults, job.of("fault_injected")
+    assert job.of("final_state_written"), "no final state"
+    survivors_kept_pids(job, killed)
+    d = ckpt_diff(reference, job.run_dir / "final")
+    assert d.returncode == 0, f"final state differs from the fault-free run: {d.stdout}{d.stderr}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("phase", PHASES)
+def test_sigkill_rank0_then_last_rank(tmp_path, references, nproc, phase):
+    """SIGKILL of rank 0, then of the highest rank, both in ``phase``."""
+    last = nproc - 1
+    faults = [
+        {"kind": "kill", "rank": 0, "step": 3, "phase": phase},
+        {"kind": "kill", "rank": last, "step": 8, "phase": phase},
+    ]
+    job = run_gpt(tmp_path / "run", nproc=nproc, steps=STEPS, faults=faults)
+    _assert_recovered(job, references.get(nproc, STEPS), killed={0, last}, faults=2)
+    respawned = [e["rank"] for e in job.of("worker_spawned") if e["replacement"]]
+    assert sorted(respawned) == [0, last]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_exception_in_step_recovers_in_process(tmp_path, references, nproc):
+    faults = [
+        {"kind": "raise", "rank": nproc - 1, "step": 2, "phase": "forward"},
+        {"kind": "raise", "rank": 0, "step": 6, "phase": "optimizer"},
+    ]
+    job = run_gpt(tmp_path / "run", nproc=nproc, steps=STEPS, faults=faults)
+    _assert_recovered(job, references.get(nproc, STEPS), killed=set(), faults=2)
+    assert not [e for e in job.of("worker_spawned") if e["replacement"]], "no process should have been replaced"
+    done = job.of("recovery_done")
+    assert {e["generation"] for e in done} == {1, 2}
+
+
+@pytest.mark.timeout(240)
+def test_replacement_dies_while_healing(tmp_path, references):
+    faults = [
+        {"kind": "kill", "rank": 1, "step": 4, "phase": "forward"},
+        {"kind": "kill", "rank": 1, "phase": "heal"},
+    ]
+    job = run_gpt(tmp_path / "run", nproc=4, steps=STEPS, faults=faults)
+    _assert_recovered(job, references.get(4, STEPS), killed={1}, faults=2)
+    assert len([e for e in job.of("worker_spawned") if e["rank"] == 1]) == 3
