@@ -1,0 +1,146 @@
+"""Hang detection against real processes: SIGSTOP, a GIL-holding spin, blocked data
+loading while a heartbeat thread runs, and a gloo collective blocked by a stopped peer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from multiprocessing.process import BaseProcess
+from typing import Sequence
+
+import pytest
+from conftest import CTX, Procs, wait_for, wait_step
+from monitor_workers import gloo_rank, train_loop
+
+from monitors.hang import Hang, HangConfig, HangDetector
+from monitors.progress import ProgressReader
+
+TIMEOUT = 1.0
+
+
+def _detect(det: HangDetector, rank: int, budget: float, alive: Sequence[BaseProcess] = ()) -> Hang:
+    """Polls like the agent (every 50 ms) until ``rank`` is reported hung."""
+    def found() -> Hang | None:
+        return next((h for h in det.poll() if h.rank == rank), None)
+
+    return wait_for(found, budget, f"a hang of rank {rank}", every=0.05, alive=alive)
+
+
+def _frozen_since(run_dir: str, rank: int) -> float:
+    snap = ProgressReader(run_dir, rank).read()
+    assert snap is not None
+    return snap.last_progress_s
+
+
+@pytest.mark.timeout(60)
+def test_sigstop_is_detected_within_timeout(tmp_path, procs: Procs) -> None:
+    run = str(tmp_path)
+    p = procs.start(train_loop, run, 0, {})
+    det = HangDetector(HangConfig(timeouts={s: TIMEOUT for s in ("data", "forward", "backward", "all-reduce",
+                                                                 "optimizer")}), run, [0])
+    wait_step(run, 0, 3)
+    assert det.poll() == []
+    os.kill(p.pid, signal.SIGSTOP)
+    hang = _detect(det, 0, budget=TIMEOUT + 2.0)
+    assert hang.pid == p.pid and hang.timeout_s == TIMEOUT
+    assert hang.since_progress_s > TIMEOUT and not hang.blocked_by_peer
+    # The verdict depends only on the frozen slot and the clock it is given.
+    last = _frozen_since(run, 0)
+    assert det.poll(last + TIMEOUT - 0.01) == []
+    assert [h.rank for h in det.poll(last + TIMEOUT + 0.01)] == [0]
+
+
+@pytest.mark.timeout(60)
+def test_gil_holding_spin_is_detected(tmp_path, procs: Procs) -> None:
+    run = str(tmp_path)
+    procs.start(train_loop, run, 0, {"hang_at": 5, "hang": "spin"})
+    det = HangDetector(HangConfig(default_timeout=TIMEOUT), run, [0])
+    hang = _detect(det, 0, budget=30.0)  # start-up included; the rank hangs at step 5
+    assert (hang.section, hang.step, hang.timeout_s) == ("forward", 5, TIMEOUT)
+    assert hang.since_progress_s <= TIMEOUT + 2.0
+
+
+@pytest.mark.timeout(60)
+def test_blocked_data_loading_is_detected_while_a_heartbeat_thread_runs(tmp_path, procs: Procs) -> None:
+    run = str(tmp_path)
+    ticks = CTX.Value("q", 0)
+    procs.start(train_loop, run, 0, {"hang_at": 4, "hang": "block-data", "hang_section": "data", "ticks": ticks})
+    det = HangDetector(HangConfig(default_timeout=TIMEOUT), run, [0])
+    hang = _detect(det, 0, budget=30.0)
+    assert (hang.section, hang.step) == ("data", 4)
+    assert hang.since_progress_s <= TIMEOUT + 2.0
+    # The heartbeat thread kept beating all along and still does: liveness is not progress.
+    seen = ticks.value
+    assert seen > 0
+    wait_for(lambda: ticks.value > seen + 5, 10.0, "more heartbeats")
+    assert [h.rank for h in det.poll()] == [0]
+
+
+@pytest.mark.timeout(180)
+def test_collective_blocked_by_a_stopped_peer(tmp_path, procs: Procs) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    run = str(tmp_path)
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    result_r, result_w = CTX.Pipe(duplex=False)
+    ranks = [procs.start(gloo_rank, run, rank, 2, store.port, 5, result_w) for rank in (0, 1)]
+    det = HangDetector(HangConfig(default_timeout=TIMEOUT, timeouts={"forward": 2 * TIMEOUT}), run, [0, 1])
+    hang1 = _detect(det, 1, budget=120.0, alive=ranks)  # includes two torch imports on a loaded machine
+    hangs = {h.rank: h for h in det.poll()}
+    assert (hang1.section, hang1.step, hang1.blocked_by_peer) == ("forward", 5, False)
+    assert hangs[0].section == "all-reduce" and hangs[0].waiting_on == (1,)
+    # The agent kills the culprit; the survivor's collective fails instead of hanging.
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    assert result_r.poll(60.0), "rank 0 stayed blocked after its peer was killed"
+    assert result_r.recv() != ""
+    reader = ProgressReader(run, 0)
+    wait_for(lambda: reader.read().section == "recovery", 30.0, "rank 0 to enter recovery")
+
+
+@pytest.mark.timeout(60)
+def test_computed_timeouts_merge_ranks_and_round_trip_as_json(tmp_path, procs: Procs) -> None:
+    run = str(tmp_path)
+    for rank in (0, 1):
+        procs.start(train_loop, run, rank, {"steps": 12, "slow_rank": 1, "slow_factor": 3.0})
+    cfg = HangConfig(safety_factor=4.0, min_observations=10, min_timeout=0.01, default_timeout=99.0)
+    det = HangDetector(cfg, run, [0, 1])
+    assert det.timeout("backward") == 99.0
+    readers = [ProgressReader(run, r) for r in (0, 1)]
+    wait_for(lambda: all((s := rd.read()) is not None and s.closed for rd in readers), 30.0, "both ranks to finish")
+    det.poll()
+    maxima = [rd.read().section_max_s["backward"] for rd in readers]
+    assert det.timeout("backward") == pytest.approx(4.0 * max(maxima))
+    assert max(maxima) == maxima[1]  # rank 1 is the slow one: its maximum wins
+    assert det.timeout("checkpoint") == cfg.long_section_timeout
+    state = json.loads(json.dumps(det.state_dict()))
+    fresh = HangDetector(cfg, run, [])
+    fresh.load_state_dict(state)
+    assert fresh.timeout("backward") == det.timeout("backward")
+    assert det.poll() == []  # finished (closed) ranks are never hung
+
+
+@pytest.mark.timeout(60)
+def test_startup_window_and_reset_after_respawn(tmp_path, procs: Procs) -> None:
+    run = str(tmp_path)
+    cfg = HangConfig(default_timeout=TIMEOUT, startup_timeout=5.0)
+    t0 = time.monotonic()
+    det = HangDetector(cfg, run, [0])
+    assert det.poll(t0 + 4.0) == []  # no slot yet: start-up
+    assert [(h.rank, h.section, h.pid) for h in det.poll(t0 + 6.0)] == [(0, "startup", None)]
+    p = procs.start(train_loop, run, 0, {})
+    wait_step(run, 0, 2)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(timeout=10)
+    last = _frozen_since(run, 0)
+    assert [h.rank for h in det.poll(last + TIMEOUT + 0.5)] == [0]  # the dead rank's slot is stale
+    det.reset(0, now=last + 1.0)
+    assert det.poll(last + TIMEOUT + 0.5) == []  # its old slot is ignored; start-up window again
+    assert [h.section for h in det.poll(last + 7.0)] == ["startup"]
+    p2 = procs.start(train_loop, run, 0, {})
+    wait_step(run, 0, 1, pid=p2.pid)
+    assert det.poll() == []
+    assert det.last[0] is not None and det.last[0].pid == p2.pid
