@@ -4,13 +4,23 @@ Single process: :func:`write_state`, :func:`read_state`, :func:`diff_states`.
 Many ranks, asynchronous: :class:`CheckpointManager` with :class:`CheckpointConfig`.
 """
 
+from checkpointing.config import AsyncMode, CheckpointConfig, InFlightPolicy
 from checkpointing.diff import diff_states
+from checkpointing.lifecycle import SaveHandle, SavePhase
+from checkpointing.manager import CheckpointManager, NoCheckpointError
 from checkpointing.manifest import CheckpointError, Manifest, verify_checkpoint
 from checkpointing.state_files import read_state, write_state
 
 __all__ = [
+    "AsyncMode",
+    "CheckpointConfig",
     "CheckpointError",
+    "CheckpointManager",
+    "InFlightPolicy",
     "Manifest",
+    "NoCheckpointError",
+    "SaveHandle",
+    "SavePhase",
     "diff_states",
     "read_state",
     "verify_checkpoint",

@@ -18,7 +18,7 @@ from checkpointing.durable import remove_tree
 from checkpointing.manifest import Manifest, verify_checkpoint
 from checkpointing.tree import flatten_state, skeleton_keys, unflatten_state
 
-__all__ = ["LOCAL_PREFIX", "RANKS_KEY", "local_prefix", "read_state", "write_state"]
+__all__ = ["LOCAL_PREFIX", "RANKS_KEY", "local_prefix", "read_state", "read_verified", "write_state"]
 
 LOCAL_PREFIX = "__rank"
 RANKS_KEY = "__ranks__"
@@ -90,6 +90,11 @@ def read_state(
     """
     path = Path(directory)
     manifest = verify_checkpoint(path, run_id=run_id)
+    return read_verified(path, manifest, rank=rank), manifest
+
+
+def read_verified(path: Path, manifest: Manifest, *, rank: int | None) -> dict[str, Any]:
+    """``read_state`` after verification (the caller already checked ``manifest`` and the files)."""
     trees = dict(manifest.local_trees)
     wanted = [r for r in sorted(trees) if rank is None or r == rank]
     keys = skeleton_keys(manifest.tree)
@@ -105,4 +110,4 @@ def read_state(
     else:
         for r in wanted:
             state.update(unflatten_state(trees[r], tensors.__getitem__))
-    return state, manifest
+    return state

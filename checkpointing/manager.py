@@ -1,0 +1,364 @@
+"""``CheckpointManager``: periodic, asynchronous, multi-rank checkpoints with an atomic commit.
+
+A save: the caller's thread stages the tensors into reused host buffers and
+returns (``blocking=False``). The rank's committer thread hands the buffers to
+the persistent writer process, which writes and fsyncs this rank's shard; the
+rank reports its files through the store; rank 0, once every rank reported,
+commits (``.metadata``, manifest, rename, ``latest``) and announces the verdict.
+Replicated entries are written by rank 0 only, ``config.local_keys`` by each rank.
+
+Load: the newest committed step whose manifest and checksums verify, falling
+back to older ones (each rejection is an event naming the file). On a different
+number of ranks: replicated entries load on any rank; rank ``r`` gets the local
+entries saved by rank ``r`` if there was one, else none (the caller re-seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpointing import testhooks
+from checkpointing.catalog import iter_valid, list_steps, step_dir, write_latest
+from checkpointing.commit import TMP_SUFFIX, commit_checkpoint
+from checkpointing.config import AsyncMode, CheckpointConfig, InFlightPolicy
+from checkpointing.coordinator import StoreCoordinator
+from checkpointing.durable import remove_tree
+from checkpointing.lifecycle import MANAGER_MOVES, ManagerState, SaveHandle, SavePhase, check_move
+from checkpointing.manifest import CheckpointError, Manifest
+from checkpointing.retention import RetentionWorker
+from checkpointing.staging import HostStager
+from checkpointing.state_files import local_prefix, read_verified
+from checkpointing.tree import Skeleton, flatten_state
+from checkpointing.writer_process import WriterProcess
+from monitors.events import EventLog
+
+__all__ = ["CheckpointManager", "NoCheckpointError"]
+
+
+class NoCheckpointError(FileNotFoundError):
+    """No committed checkpoint under the directory verifies."""
+
+
+@dataclass(kw_only=True)
+class _Job:
+    handle: SaveHandle
+    tree: Skeleton | None
+    local_tree: Skeleton | None
+    extras: dict[str, Any]
+    cuda_event: Any
+    version: int
+    nbytes: int
+    started: float
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        store: dist.Store | None = None,
+        events: EventLog | None = None,
+    ) -> None:
+        if not isinstance(config, CheckpointConfig):
+            raise ValueError(f"CheckpointManager: config must be a CheckpointConfig, got {type(config).__name__}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"CheckpointManager: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.root = Path(config.directory)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._events = events if events is not None else EventLog(None, source=f"ckpt.rank{rank}")
+        self._coord = StoreCoordinator(store, rank=rank, world_size=world_size, prefix=config.store_prefix)
+        self._stager = HostStager()
+        self._writer = WriterProcess(rank=rank)
+        self._writer.start()  # its imports overlap with training until the first save
+        self._state = ManagerState.OPEN
+        self._inflight: SaveHandle | None = None
+        self._last_committed: int | None = None
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._committer = threading.Thread(target=self._commit_loop, name=f"ckpt-commit-r{rank}", daemon=True)
+        self._committer.start()
+        self._retention = (
+            RetentionWorker(self.root, keep_last=config.keep_last, keep_every=config.keep_every, name="ckpt-retention")
+            if rank == 0
+            else None
+        )
+
+    # ---- public API -------------------------------------------------------------------
+
+    def set_store(self, store: dist.Store) -> None:
+        """Coordinates later saves through ``store`` (e.g. the next generation's prefix store)."""
+        self._coord.set_store(store)
+
+    def save(
+        self, step: int, state: dict[str, Any], *, extras: dict[str, Any] | None = None, blocking: bool = False
+    ) -> SaveHandle:
+        """Stages ``state`` and returns; with ``blocking`` (or async disabled) waits until it is committed."""
+        self._check_open()
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
+        if not isinstance(state, dict):
+            raise ValueError(f"CheckpointManager.save: state must be a dict, got {type(state).__name__}")
+        extras = dict(extras or {})
+        try:
+            json.dumps(extras, allow_nan=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"CheckpointManager.save: extras must be JSON data: {e}") from None
+        previous = self._inflight
+        if previous is not None and not previous.phase.terminal:
+            if self.config.in_flight == InFlightPolicy.SKIP:
+                self._events.emit("checkpoint_skipped", step=step, in_flight=previous.step, rank=self.rank)
+                return SaveHandle(step, SavePhase.SKIPPED)
+            self._events.emit("checkpoint_waiting", step=step, in_flight=previous.step, rank=self.rank)
+            previous.wait(self.config.timeout_s)
+        started = time.monotonic()
+        local_keys = set(self.config.local_keys)
+        replicated = {k: v for k, v in state.items() if k not in local_keys}
+        local = {k: v for k, v in state.items() if k in local_keys}
+        tensors, tree = flatten_state(replicated) if self.rank == 0 else ({}, None)
+        local_tensors, local_tree = flatten_state(local, prefix=local_prefix(self.rank))
+        tensors.update(local_tensors)
+        handle = SaveHandle(step)
+        self._inflight = handle
+        try:
+            event = self._stager.stage(
+                tensors, midway=lambda: testhooks.crash_point("staging", step=step, rank=self.rank)
+            )
+        except BaseException as e:
+            handle.move(SavePhase.FAILED, error=f"staging failed: {e}")
+            raise
+        testhooks.crash_point("staged", step=step, rank=self.rank)
+        blocked = time.monotonic() - started
+        self._events.emit(
+            "checkpoint_staged", step=step, rank=self.rank, seconds=round(blocked, 6), bytes=self._stager.nbytes
+        )
+        self._jobs.put(
+            _Job(
+                handle=handle,
+                tree=tree,
+                local_tree=local_tree if self.config.local_keys else None,
+                extras=extras,
+                cuda_event=event,
+                version=self._stager.layout_version,
+                nbytes=self._stager.nbytes,
+                started=started,
+            )
+        )
+        if blocking or self.config.async_mode == AsyncMode.DISABLED:
+            handle.wait(self.config.timeout_s)
+        return handle
+
+    def wait(self, timeout: float | None = None) -> SavePhase | None:
+        """Waits for the save in flight, if any; returns its final phase."""
+        handle = self._inflight
+        if handle is None:
+            return None
+        return handle.wait(self.config.timeout_s if timeout is None else timeout)
+
+    def latest_step(self) -> int | None:
+        """The newest step with a valid manifest (files not checksummed; ``load`` does that)."""
+        for entry in reversed(list_steps(self.root)):
+            try:
+                if Manifest.read(entry.path).step == entry.step:
+                    return entry.step
+            except CheckpointError:
+                continue
+        return None
+
+    def load(self, template: dict[str, Any] | None = None, *, step: int | None = None) -> tuple[dict[str, Any], Manifest]:
+        """The newest (or the given) committed step that verifies, as this rank saved it.
+
+        With ``template``, its tensors are filled in place (shapes and dtypes must
+        match) and its structure returned; otherwise fresh CPU tensors.
+        """
+        for entry, result in iter_valid(self.root, run_id=self.config.run_id):
+            if step is not None and entry.step != step:
+                continue
+            try:
+                if isinstance(result, CheckpointError):
+                    raise result
+                state = read_verified(entry.path, result, rank=self.rank)
+            except CheckpointError as e:
+                self._events.emit(
+                    "checkpoint_invalid", step=entry.step, file=e.file, reason=e.reason, rank=self.rank
+                )
+                continue
+            self._events.emit(
+                "checkpoint_loaded", step=entry.step, saved_world_size=result.world_size, world_size=self.world_size,
+                rank=self.rank,
+            )
+            if template is not None:
+                state = _fill_template(template, state, "")
+            return state, result
+        wanted = f"step {step}" if step is not None else "any step"
+        raise NoCheckpointError(f"no valid checkpoint ({wanted}) under {self.root}")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Waits for the save in flight, stops the committer, retention and writer."""
+        if self._state != ManagerState.OPEN:
+            return
+        timeout = self.config.timeout_s if timeout is None else timeout
+        self._move(ManagerState.CLOSING)
+        try:
+            if self._inflight is not None:
+                self._inflight.wait(timeout)
+        finally:
+            self._jobs.put(None)
+            self._committer.join(timeout)
+            if self._retention is not None:
+                self._retention.close(timeout)
+            self._writer.close(timeout)
+            self._stager.release()
+            self._move(ManagerState.CLOSED)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def writer_pid(self) -> int | None:
+        return self._writer.pid
+
+    # ---- background ------------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._run_job(job)
+            except Exception as e:  # never kill the thread: the next save must still work
+                if not job.handle.phase.terminal:
+                    job.handle.move(SavePhase.FAILED, error=f"internal error: {e!r}")
+                self._events.emit("checkpoint_failed", step=job.handle.step, rank=self.rank, reason=repr(e))
+
+    def _run_job(self, job: _Job) -> None:
+        h, step, timeout = job.handle, job.handle.step, self.config.timeout_s
+        final = step_dir(self.root, step)
+        tmp_dir = final.with_name(final.name + TMP_SUFFIX)
+        h.move(SavePhase.WRITING)
+        report: dict[str, Any]
+        try:
+            if job.cuda_event is not None:
+                job.cuda_event.synchronize()
+            tmp_dir.mkdir(parents=True, exist_ok=True)
+            files: dict[str, Any] = {}
+            if self._stager.buffers:
+                files = self._writer.write(
+                    step=step, directory=tmp_dir, layout=self._stager.describe(), version=job.version, timeout=timeout
+                )
+            report = {"files": files, "local_tree": job.local_tree}
+        except Exception as e:
+            report = {"error": f"rank {self.rank}: {e}"}
+        self._coord.report(step, report)
+        testhooks.crash_point("reported", step=step, rank=self.rank)
+        if "error" in report and self.rank != 0:
+            self._fail(h, report["error"])
+            return
+        h.move(SavePhase.COMMITTING)
+        if self.rank != 0:
+            try:
+                verdict = self._coord.outcome(step, timeout)
+            except TimeoutError as e:
+                self._fail(h, str(e))
+                return
+            if verdict["ok"]:
+                self._committed(h, job)
+            else:
+                self._fail(h, verdict["reason"])
+            return
+        try:
+            reports = self._coord.gather(step, timeout)
+            errors = [r["error"] for r in reports.values() if "error" in r]
+            if errors:
+                raise OSError("; ".join(errors))
+            commit_checkpoint(
+                tmp_dir,
+                final,
+                step=step,
+                world_size=self.world_size,
+                files_by_rank={r: rep["files"] for r, rep in reports.items() if rep["files"]},
+                tree=job.tree or {"D": []},
+                local_trees={r: rep["local_tree"] for r, rep in reports.items() if rep["local_tree"] is not None},
+                extras=job.extras,
+                run_id=self.config.run_id,
+            )
+            write_latest(self.root, step)
+            testhooks.crash_point("latest", step=step, rank=self.rank)
+        except Exception as e:
+            if not final.exists():
+                remove_tree(tmp_dir)
+            self._coord.announce(step, ok=False, reason=str(e))
+            self._fail(h, str(e))
+            return
+        self._coord.announce(step, ok=True)
+        self._committed(h, job)
+        if self._retention is not None:
+            self._retention.request()
+
+    def _committed(self, h: SaveHandle, job: _Job) -> None:
+        self._last_committed = h.step
+        h.move(SavePhase.COMMITTED)
+        self._events.emit(
+            "checkpoint_committed",
+            step=h.step,
+            rank=self.rank,
+            seconds=round(time.monotonic() - job.started, 6),
+            bytes=job.nbytes,
+        )
+
+    def _fail(self, h: SaveHandle, reason: str) -> None:
+        h.move(SavePhase.FAILED, error=reason)
+        self._events.emit("checkpoint_failed", step=h.step, rank=self.rank, reason=reason)
+
+    def _check_open(self) -> None:
+        if self._state != ManagerState.OPEN:
+            raise RuntimeError(f"CheckpointManager is {self._state.value}")
+
+    def _move(self, new: ManagerState) -> None:
+        check_move(MANAGER_MOVES, self._state, new)
+        self._state = new
+
+
+def _fill_template(template: Any, loaded: Any, path: str) -> Any:
+    where = path or "<root>"
+    if isinstance(template, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise ValueError(f"checkpoint load: {where} is {type(loaded).__name__} in the checkpoint, a tensor in the template")
+        if loaded.shape != template.shape or loaded.dtype != template.dtype:
+            raise ValueError(
+                f"checkpoint load: {where} is {loaded.dtype}{list(loaded.shape)} in the checkpoint, "
+                f"{template.dtype}{list(template.shape)} in the template"
+            )
+        with torch.no_grad():
+            template.copy_(loaded)
+        return template
+    if isinstance(template, dict):
+        if not isinstance(loaded, dict):
+            raise ValueError(f"checkpoint load: {where} is not a dict in the checkpoint")
+        missing = [k for k in template if k not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint load: {where} has no entry {missing[0]!r} in the checkpoint")
+        out = dict(loaded)
+        for k, v in template.items():
+            out[k] = _fill_template(v, loaded[k], f"{path}.{k}" if path else str(k))
+        return out
+    if isinstance(template, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(template) == len(loaded):
+        items = [_fill_template(t, x, f"{path}.{i}" if path else str(i)) for i, (t, x) in enumerate(zip(template, loaded))]
+        return type(template)(items)
+    return loaded
