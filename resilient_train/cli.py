@@ -42,8 +42,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts, warm_spare=not args.no_spare, chaos=args.chaos,
     )
     try:
-        return Agent(config).run()
-    except AgentError as e:
+        agent = Agent(config)
+    except AgentError as e:  # bad input: a port in use, a run directory that is not writable
+        print(f"resilient-train: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return agent.run()
+    except AgentError as e:  # the run gave up
         print(f"resilient-train: {e}", file=sys.stderr)
         return 1
 
