@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from chaos import Fault, Injector, Phase, loads_faults
-from monitors import EventLog
+from monitors import EventLog, ProgressReporter
 from resilient_train import env as envvars
 from resilient_train.dataparallel import GradientAverager
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
@@ -98,6 +98,8 @@ class Supervisor:
         run_dir = self.env.run_dir
         self.run_dir = Path(run_dir) if run_dir else None
         self.events = EventLog(self.run_dir / "events.jsonl" if self.run_dir else None, source=f"rank{self.env.rank}")
+        # Written by the main thread only, at every phase change: the agent's hang detector reads it.
+        self.progress = ProgressReporter(self.run_dir, self.env.rank) if self.run_dir else None
         self.store = self._connect_store()
         self._ring = SnapshotRing(2)
         self._generation_moved = threading.Event()
@@ -177,11 +179,14 @@ class Supervisor:
             if self._watcher is not None:
                 self._watcher.join(timeout=5)
             self._destroy_group()
+            if self.progress is not None:
+                self.progress.close()
         self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step, recoveries=self.recoveries)
         return state
 
     def _generation_round(self, step_fn: StepFn, fresh: bool, on_new_group: Callable[[], None] | None) -> None:
         self.lifecycle.to(SupervisorState.JOINING)
+        self._progress("startup" if fresh else "recovery", self.state.step)
         t0 = time.monotonic()
         me = Membership(
             rank=self.env.rank,
@@ -301,9 +306,16 @@ class Supervisor:
             raise GenerationFailed(f"generation {self.generation} was declared failed")
         if self._injector:
             self._injector.at(phase, step)
+        # After the injector: a rank stopped "at" a phase has not entered it.
+        self._progress("recovery" if phase is Phase.HEAL else phase.value, step)
+
+    def _progress(self, section: str, step: int) -> None:
+        if self.progress is not None:
+            self.progress.enter(section, step)
 
     # --------------------------------------------------------------- finish
     def _finish(self) -> None:
+        self._progress("checkpoint", self.state.step)  # waiting for every rank, then the final state
         g, world = self.generation, self.env.world_size
         self.store.add(Keys.done(g), 1)
         self._wait_or_fail(lambda: self.store.add(Keys.done(g), 0) >= world, "every rank to finish")
@@ -341,6 +353,7 @@ class Supervisor:
     # ------------------------------------------------------------- recovery
     def _recover_from(self, exc: BaseException) -> None:
         self.lifecycle.to(SupervisorState.RECOVERING)
+        self._progress("recovery", self.ctx.step)
         t_detect = time.time()
         g = self.generation
         kind = type(exc).__name__
