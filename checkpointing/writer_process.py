@@ -1,6 +1,6 @@
 """The persistent background writer: one process per rank, started once, reused by every save.
 
-It is a plain ``python -m checkpointing.writer_process`` child speaking JSON
+It is a plain ``python -c`` child speaking JSON
 lines over its stdin/stdout, so it neither re-imports the training script (as
 multiprocessing's spawn would) nor unpickles anything. Once per buffer layout it
 maps the rank's staging buffers (memfds, through ``/proc/<pid>/fd``); for each
@@ -44,11 +44,12 @@ class WriterProcess:
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpointing.writer_process", str(self._rank)],
+            [sys.executable, "-c", f"from checkpointing.writer_process import _serve; _serve({self._rank})"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
             close_fds=True,
+            restore_signals=False,  # keep the rank's signal dispositions (an ignored SIGXFSZ gives EFBIG)
         )
         self._buf = b""
         self._sent_version = -1
@@ -180,6 +181,3 @@ def _serve(rank: int) -> None:
         out.write(json.dumps(reply).encode() + b"\n")
         out.flush()
 
-
-if __name__ == "__main__":
-    _serve(int(sys.argv[1]))

@@ -49,3 +49,10 @@ class Evil:
 
 def evil_pickle(sentinel: Path) -> bytes:
     return pickle.dumps(Evil(sentinel))
+
+
+def rank_state(step: int, rank: int, *, scale: int = 1) -> dict[str, Any]:
+    """What a data-parallel rank holds at ``step``: replicated model/optimizer/data, its own RNG."""
+    state = make_state(step, scale=scale)
+    state["rng"] = torch.randint(0, 255, (32,), generator=torch.Generator().manual_seed(1000 * step + rank), dtype=torch.uint8)
+    return state
