@@ -36,7 +36,7 @@ class HangConfig:
     computed: bool = True
     safety_factor: float = 5.0
     min_observations: int = 10
-    min_timeout: float = 1.0
+    min_timeout: float = 3.0  # a floor: a loaded host may deschedule a healthy rank for a while
     default_timeout: float = 60.0
     startup_timeout: float = 300.0
     long_section_timeout: float = 600.0

@@ -81,6 +81,9 @@ class NodeMonitor:
                     self.sinks.append(tb)
         self._reported: set[tuple[int, int, int]] = set()
         self._hangs_total: dict[int, int] = {r: 0 for r in ranks}
+        self.events.emit("monitor_start", ranks=ranks, prometheus=self.prometheus_url,
+                         tensorboard=any(isinstance(s, TensorBoardSink) for s in self.sinks),
+                         hang=asdict(config.hang), straggler=asdict(config.straggler))
 
     @property
     def prometheus_url(self) -> str | None:

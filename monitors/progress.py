@@ -241,7 +241,7 @@ class ProgressReader:
 
     def steps(self, snap: ProgressSnapshot, since: int) -> list[StepRecord]:
         """Completed steps with index ``>= since`` still in the ring of ``snap``."""
-        first = max(since, snap.steps_done - RING)
+        first = max(since, snap.steps_done - RING, 0)
         out = []
         for i in range(first, snap.steps_done):
             step, end, dur, *secs = _ENTRY.unpack_from(snap.raw, _RING_OFF + (i % RING) * _ENTRY.size)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from monitors import EventLog
+from monitors import EventLog, MonitorConfig, NodeMonitor
 from resilient_train import env as E
 from resilient_train.store import Keys, current_generation, declare_fault
 
@@ -56,6 +56,7 @@ class AgentConfig:
     monitor_interval_s: float = 0.05
     chaos: str = ""  # JSON list of faults for the workers (chaos.dumps_faults)
     env: dict[str, str] = field(default_factory=dict)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -82,6 +83,7 @@ class _Worker:
     proc: subprocess.Popen
     generation: int
     state: WorkerState = WorkerState.RUNNING
+    cause: dict | None = None  # set when the agent killed it (a hang, a straggler)
 
 
 def _die_with_parent() -> None:
@@ -98,6 +100,9 @@ class Agent:
         self.run_dir = Path(config.run_dir)
         self._check_run_dir()
         self.events = EventLog(self.run_dir / "events.jsonl", source="agent")
+        first = config.node_rank * config.nproc_per_node
+        self.monitor = NodeMonitor(config.monitor, self.run_dir, range(first, first + config.nproc_per_node),
+                                   events=EventLog(self.run_dir / "events.jsonl", source="monitor"))
         self.store = self._host_store(config.master_port)
         self.port = self.store.port
         self.workers: dict[int, _Worker] = {}
@@ -158,6 +163,7 @@ class Agent:
         else:
             proc = self._popen(env)
         self.workers[rank] = _Worker(rank=rank, proc=proc, generation=generation)
+        self.monitor.reset(rank)
         self.events.emit("worker_spawned", rank=rank, pid=proc.pid, generation=generation,
                          replacement=replacement, warm=proc is spare)
 
@@ -182,6 +188,7 @@ class Agent:
         try:
             while True:
                 self._poll_workers()
+                self._poll_monitor()
                 if all(w.state is WorkerState.SUCCEEDED for w in self.workers.values()):
                     self.events.emit("agent_end", ok=True, restarts=self.restarts)
                     return 0
@@ -205,6 +212,20 @@ class Agent:
             w.state = WorkerState.FAILED
             self._on_death(w, rc)
 
+    def _poll_monitor(self) -> None:
+        """Kills hung ranks (and stragglers under the "replace" policy); they then recover like dead ones."""
+        found = self.monitor.poll()
+        causes: dict[int, dict] = {r: {"kind": "straggler"} for r in found.replace}
+        for h in found.hangs:
+            if h.rank in found.kill:
+                causes[h.rank] = {"kind": "hang", "phase": h.section, "step": h.step,
+                                  "since_progress_s": round(h.since_progress_s, 3), "timeout_s": h.timeout_s}
+        for rank, cause in causes.items():
+            w = self.workers.get(rank)
+            if w is not None and w.state is WorkerState.RUNNING and w.cause is None and w.proc.poll() is None:
+                w.cause = cause
+                w.proc.kill()  # SIGKILL ends a stopped process too
+
     def _on_death(self, w: _Worker, rc: int) -> None:
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
         if self.store.check([Keys.FINAL]):
@@ -213,12 +234,13 @@ class Agent:
             w.state = WorkerState.SUCCEEDED
             return
         g = current_generation(self.store)
-        self.events.emit("fault_detected", rank=w.rank, kind="exit", how=how, pid=w.proc.pid, generation=g)
+        cause = w.cause or {"kind": "exit"}
+        self.events.emit("fault_detected", rank=w.rank, how=how, pid=w.proc.pid, generation=g, **cause)
         self.restarts += 1
         if self.restarts > self.config.max_restarts:
             raise AgentError(f"rank {w.rank} died ({how}) and the restart budget ({self.config.max_restarts}) is spent")
         if self.store.check([Keys.supervised(w.rank)]):
-            declare_fault(self.store, g, {"rank": w.rank, "kind": "exit", "how": how, "time": time.time()})
+            declare_fault(self.store, g, {"rank": w.rank, "kind": cause["kind"], "how": how, "time": time.time()})
             self._spawn(w.rank, current_generation(self.store), replacement=True)
             self._start_spare()
         else:
@@ -248,6 +270,7 @@ class Agent:
 
     def close(self) -> None:
         self._kill_workers()
+        self.monitor.close()
         if self._spare is not None and self._spare.poll() is None:
             self._spare.kill()
             self._spare.wait(timeout=10)
