@@ -4,6 +4,7 @@
     resilient-train demo                             kill and break ranks of a small GPT job, show the recovery
     resilient-train ckpt {ls,verify,inspect,diff}    checkpoints and final states
     resilient-train status RUN_DIR                   summary of a live or finished run
+    resilient-train straggler RUN_DIR [--on|--off] [--threshold X]   steer straggler detection at run time
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from monitors.cli import status_main
 
         return status_main(argv[1:])
+    if argv[:1] == ["straggler"]:
+        from monitors.cli import straggler_main
+
+        return straggler_main(argv[1:])
     parser = argparse.ArgumentParser(prog="resilient-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _run_parser(sub)
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--run-dir", default="runs/demo", help="where the two runs go (default runs/demo)")
     sub.add_parser("ckpt", help="list, verify, inspect and diff checkpoints (see: resilient-train ckpt --help)")
     sub.add_parser("status", help="summary of a live or finished run (see: resilient-train status --help)")
+    sub.add_parser("straggler", help="switch straggler detection of a running job on/off, or set its threshold")
     args = parser.parse_args(argv)
     try:
         if args.command == "run":

@@ -50,6 +50,7 @@ class Procs:
 
     def __init__(self) -> None:
         self.procs: list[mp.process.BaseProcess] = []
+        self.keep: list[object] = []  # shared objects the children use
 
     def start(self, target: Callable[..., None], *args: object) -> mp.process.BaseProcess:
         p = CTX.Process(target=target, args=args, daemon=True)
