@@ -14,6 +14,8 @@ class FaultKind(str, Enum):
     KILL = "kill"  # SIGKILL of the rank's process
     RAISE = "raise"  # an exception inside the step
     HANG = "hang"  # SIGSTOP of the rank's process (the agent's hang detection must catch it)
+    SPIN = "spin"  # the main thread spins in C code holding the GIL (no other thread runs)
+    BLOCK = "block"  # the main thread blocks forever while its other threads run (e.g. data loading)
 
 
 class Phase(str, Enum):

@@ -52,5 +52,10 @@ class Injector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind is FaultKind.HANG:
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind is FaultKind.SPIN:
+            sum(range(10**18))  # one C call: the GIL is never released
+        elif fault.kind is FaultKind.BLOCK:
+            r, _w = os.pipe()
+            os.read(r, 1)  # nothing is ever written
         elif fault.kind is FaultKind.RAISE:
             raise InjectedFault(f"injected exception at step {step}, phase {fault.phase.value}")

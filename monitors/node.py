@@ -41,6 +41,35 @@ class MonitorConfig:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MonitorConfig":
+        """From plain data (a YAML or JSON file): ``{"hang": {...}, "straggler": {...}, "metrics": {...}}``."""
+        parts = {"hang": HangConfig, "straggler": StragglerConfig, "metrics": MetricsConfig}
+        unknown = set(data) - set(parts)
+        if unknown:
+            raise ValueError(f"monitor config: unknown sections {sorted(unknown)}; expected {sorted(parts)}")
+        kwargs: dict[str, Any] = {}
+        for name, kind in parts.items():
+            sub = dict(data.get(name) or {})
+            for key in ("sections", "scores", "collective_sections"):
+                if isinstance(sub.get(key), list):
+                    sub[key] = tuple(sub[key])
+            try:
+                kwargs[name] = kind(**sub)
+            except TypeError as e:
+                raise ValueError(f"monitor config [{name}]: {e}") from None
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "MonitorConfig":
+        """From a YAML (or JSON, a subset of YAML) file."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"monitor config {str(path)!r}: expected a mapping")
+        return cls.from_dict(data)
+
 
 @dataclass(frozen=True, kw_only=True)
 class MonitorResult:

@@ -30,17 +30,21 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=10, help="rank replacements before giving up (default 10)")
     p.add_argument("--no-spare", action="store_true", help="do not keep a warm spare worker")
     p.add_argument("--chaos", default="", help="JSON list of faults to inject (see the chaos package)")
+    p.add_argument("--monitor-config", default=None,
+                   help="YAML/JSON file with hang, straggler and metrics settings (see monitors.MonitorConfig)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from resilient_train.agent import Agent, AgentConfig, AgentError
+    from monitors import MonitorConfig
 
     config = AgentConfig(
         script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port, run_dir=args.run_dir,
         max_restarts=args.max_restarts, warm_spare=not args.no_spare, chaos=args.chaos,
+        **({"monitor": MonitorConfig.load(args.monitor_config)} if args.monitor_config else {}),
     )
     try:
         agent = Agent(config)
