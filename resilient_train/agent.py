@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from monitors import EventLog, MonitorConfig, NodeMonitor
 from resilient_train import env as E
-from resilient_train.store import Keys, current_generation, declare_fault
+from resilient_train.store import Keys, attempt_store, current_generation, declare_fault
 
 __all__ = ["Agent", "AgentConfig", "AgentError", "WorkerState"]
 
@@ -103,12 +103,12 @@ class Agent:
         first = config.node_rank * config.nproc_per_node
         self.monitor = NodeMonitor(config.monitor, self.run_dir, range(first, first + config.nproc_per_node),
                                    events=EventLog(self.run_dir / "events.jsonl", source="monitor"))
+        self._attempt = 0  # whole-group restarts (unsupervised scripts)
         self.store = self._host_store(config.master_port)
-        self.port = self.store.port
+        self.port = self._server.port
         self.workers: dict[int, _Worker] = {}
         self.restarts = 0
         self._spare: subprocess.Popen | None = None
-        self._attempt = 0  # whole-group restarts (unsupervised scripts)
 
     def _check_run_dir(self) -> None:
         try:
@@ -128,8 +128,10 @@ class Agent:
             if "in use" in str(e).lower() or "EADDRINUSE" in str(e):
                 raise AgentError(f"port {port} is already in use (pick another --master-port, or 0 for a free one)") from None
             raise AgentError(f"cannot host the coordination store on port {port}: {str(e).splitlines()[0]}") from None
-        store.set(Keys.GENERATION, "0")
-        return store
+        self._server = store  # keeps the server alive; the agent itself talks through an attempt's keys
+        view = attempt_store(store, self._attempt)
+        view.set(Keys.GENERATION, "0")
+        return view
 
     # ---------------------------------------------------------------- spawn
     def _worker_env(self, rank: int, generation: int, replacement: bool) -> dict[str, str]:
@@ -253,7 +255,7 @@ class Agent:
         self._attempt += 1
         # A fresh store: the last attempt's rendezvous keys must not be reused.
         self.store = self._host_store(0)
-        self.port = self.store.port
+        self.port = self._server.port
         c = self.config
         for local in range(c.nproc_per_node):
             self._spawn(c.node_rank * c.nproc_per_node + local, 0, replacement=False)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-__all__ = ["Keys", "StoreTimeout", "connect", "declare_fault", "read_fault", "current_generation", "wait_until"]
+__all__ = ["Keys", "StoreTimeout", "attempt_store", "connect", "declare_fault", "read_fault", "current_generation", "wait_until"]
 
 
 class StoreTimeout(TimeoutError):
@@ -63,6 +63,11 @@ class Keys:
 def connect(host: str, port: int, *, timeout: timedelta = timedelta(seconds=60)) -> dist.TCPStore:
     """A client of the store that the agent (or torchrun's rank 0) hosts."""
     return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def attempt_store(store: dist.Store, attempt: int) -> dist.Store:
+    """The keys of one launcher attempt (torchrun's restart count)."""
+    return dist.PrefixStore(f"attempt/{attempt}", store)
 
 
 def current_generation(store: dist.Store) -> int:

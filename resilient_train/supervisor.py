@@ -29,7 +29,7 @@ from resilient_train.generation import JoinError, Membership, ResumePlan, Resume
 from resilient_train.heal import broadcast_state
 from resilient_train.lifecycle import Lifecycle, SupervisorState
 from resilient_train.snapshot import SnapshotRing
-from resilient_train.store import Keys, current_generation, declare_fault, read_fault, wait_until
+from resilient_train.store import Keys, attempt_store, current_generation, declare_fault, read_fault, wait_until
 from resilient_train.train_state import TrainState, decode_local, encode_local
 
 __all__ = ["GenerationFailed", "RunFinished", "StepContext", "Supervisor", "SupervisorConfig"]
@@ -108,7 +108,7 @@ class Supervisor:
         self._injector = Injector(
             loads_faults(os.environ.get(envvars.RT_CHAOS, "")),
             rank=self.env.rank,
-            claim=lambda i: self.store.add(Keys.chaos_fired(i), 1) == 1,
+            claim=self._claim_fault,
             announce=self._announce_fault,
         )
         self._averager: GradientAverager
@@ -131,15 +131,19 @@ class Supervisor:
         env = self.env
         timeout = timedelta(seconds=self.config.join_timeout_s)
         if env.under_agent or os.environ.get(envvars.TORCHELASTIC_USE_AGENT_STORE) == "True":
-            return dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
-        if envvars.MASTER_PORT not in os.environ:
+            store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+        elif envvars.MASTER_PORT not in os.environ:
             # Alone, with no launcher: an in-process store.
-            return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
-        # Plain torchrun with its own store disabled: rank 0 hosts, as env:// would.
-        return dist.TCPStore(
-            env.master_addr, env.master_port, world_size=env.world_size, is_master=env.rank == 0, timeout=timeout,
-            wait_for_workers=False,
-        )
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
+        else:
+            # Plain torchrun with its own store disabled: rank 0 hosts, as env:// would.
+            store = dist.TCPStore(
+                env.master_addr, env.master_port, world_size=env.world_size, is_master=env.rank == 0,
+                timeout=timeout, wait_for_workers=False,
+            )
+        # A launcher that restarts every worker (torchrun) may keep its store:
+        # each attempt gets its own keys.
+        return attempt_store(store, int(os.environ.get(envvars.TORCHELASTIC_RESTART_COUNT, "0")))
 
     # -------------------------------------------------------------- the run
     def run(self, step_fn: StepFn, state: TrainState, *, on_new_group: Callable[[], None] | None = None) -> TrainState:
@@ -389,6 +393,18 @@ class Supervisor:
             steps_redone=max(0, int(t["fault_step"]) - (plan.step or 0)),
         )
         self._timings = {}
+
+    def _claim_fault(self, index: int) -> bool:
+        """True once per fault and run, across replacements and launcher restarts."""
+        if self.run_dir is None:
+            return self.store.add(Keys.chaos_fired(index), 1) == 1
+        marker = self.run_dir / ".chaos" / f"fired-{index}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
     def _announce_fault(self, fault: Fault) -> None:
         self.events.emit(
