@@ -138,7 +138,7 @@ class NodeMonitor:
         if report is not None:
             self.events.emit(
                 "straggler_report", interval=report.interval, enabled=report.enabled,
-                threshold=report.threshold,
+                threshold=report.threshold, control_read_at=report.control_read_at,
                 scores={str(r): {"relative": round(s.relative, 4), "individual": round(s.individual, 4),
                                  "step_s": round(s.step_s, 6), "work_s": round(s.work_s, 6),
                                  "steps": s.steps, "last_step": s.last_step}
@@ -146,7 +146,7 @@ class NodeMonitor:
             )
             for d in report.flagged:
                 if d.new:
-                    self.events.emit("straggler_detected", **asdict(d))
+                    self.events.emit("straggler_detected", interval=report.interval, **asdict(d))
                     if d.action == "replace":
                         replace.append(d.rank)
             self._publish(report, now)

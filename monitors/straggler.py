@@ -85,6 +85,7 @@ class StragglerDecision:
 class StragglerReport:
     interval: int
     time: float  # monotonic seconds
+    control_read_at: float  # wall-clock time the run-time control was read for this report
     enabled: bool
     threshold: float
     scores: dict[int, RankScore]
@@ -130,6 +131,7 @@ class StragglerDetector:
     def report(self, now: float | None = None) -> StragglerReport:
         """Scores the steps completed since the previous report."""
         now = time.monotonic() if now is None else now
+        read_at = time.time()
         ctl = read_control(self.run_dir)
         enabled = self.config.enabled if ctl.enabled is None else ctl.enabled
         threshold = self.config.threshold if ctl.threshold is None else ctl.threshold
@@ -137,7 +139,7 @@ class StragglerDetector:
         fresh = self._collect()
         if not enabled:
             self._below.clear()
-            self.last = StragglerReport(interval=self._interval, time=now, enabled=False,
+            self.last = StragglerReport(interval=self._interval, time=now, control_read_at=read_at, enabled=False,
                                         threshold=threshold, scores={}, flagged=[])
             return self.last
         medians = {}
@@ -169,7 +171,7 @@ class StragglerDetector:
                     rank=rank, action=self.config.policy, relative=relative, individual=individual,
                     intervals_below=below, new=below == self.config.patience,
                 ))
-        self.last = StragglerReport(interval=self._interval, time=now, enabled=True,
+        self.last = StragglerReport(interval=self._interval, time=now, control_read_at=read_at, enabled=True,
                                     threshold=threshold, scores=scores, flagged=flagged)
         return self.last
 

@@ -1,0 +1,104 @@
+"""Issue 4 acceptance, stragglers: real 4-rank supervised jobs under the agent."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import wait_for
+from jobs import REPO, Job, cli
+
+from monitors.cli import status_main, straggler_main
+from monitors.events import read_events
+
+JOB = Path(__file__).resolve().parent / "straggler_job.py"
+NPROC = 4
+INTERVAL = 1.0
+
+
+def _monitor_config(tmp_path: Path, **straggler: Any) -> Path:
+    cfg = tmp_path / "monitor.json"
+    cfg.write_text(json.dumps({"straggler": {"report_interval_s": INTERVAL, **straggler},
+                               "metrics": {"prometheus": False}}))
+    return cfg
+
+
+def _run_args(run: Path, cfg: Path, *job_args: str) -> list[str]:
+    return ["run", "--nproc-per-node", str(NPROC), "--run-dir", str(run), "--monitor-config", str(cfg),
+            str(JOB), *job_args]
+
+
+def _of(run: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(run) if e["event"] == name]
+
+
+@pytest.mark.timeout(240)
+def test_rank_slowed_from_step_20_is_flagged_within_3_intervals(tmp_path) -> None:
+    run = tmp_path / "run"
+    p = cli(*_run_args(run, _monitor_config(tmp_path), "--steps", "250", "--slow-rank", "1", "--slow-from", "20"),
+            timeout=200)
+    job = Job(p.returncode, p.stdout, p.stderr, run)
+    assert job.returncode == 0, job.stderr[-3000:]
+    reports = job.of("straggler_report")
+    first_slow = next(r["interval"] for r in reports if r["scores"].get("1", {}).get("last_step", -1) >= 20)
+    detected = job.of("straggler_detected")
+    assert [d["rank"] for d in detected] == [1], detected
+    assert detected[0]["interval"] - first_slow + 1 <= 3, (detected, first_slow)
+    assert detected[0]["relative"] < 0.75 and detected[0]["action"] == "log"
+    out = io.StringIO()
+    assert status_main([str(run)], out=out) == 0
+    assert "flagged: rank 1" in out.getvalue()
+
+
+@pytest.mark.timeout(240)
+def test_no_rank_flagged_over_300_healthy_steps(tmp_path) -> None:
+    run = tmp_path / "run"
+    p = cli(*_run_args(run, _monitor_config(tmp_path), "--steps", "300"), timeout=200)
+    job = Job(p.returncode, p.stdout, p.stderr, run)
+    assert job.returncode == 0, job.stderr[-3000:]
+    reports = [r for r in job.of("straggler_report") if len(r["scores"]) == NPROC]
+    assert len(reports) >= 3, job.of("straggler_report")
+    assert job.of("straggler_detected") == []
+    assert sum(r["scores"]["0"]["steps"] for r in reports) >= 100
+
+
+@pytest.mark.timeout(240)
+def test_switching_off_and_on_in_a_running_job_takes_effect_within_one_interval(tmp_path) -> None:
+    run = tmp_path / "run"
+    cfg = _monitor_config(tmp_path, patience=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "resilient_train.cli",
+         *_run_args(run, cfg, "--steps", "100000", "--slow-rank", "2", "--slow-from", "0")],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ),
+    )
+    try:
+        wait_for(lambda: _of(run, "straggler_detected"), 120.0, "rank 2 to be flagged", every=0.1)
+
+        def switch(flag: str, enabled: bool) -> dict[str, Any]:
+            before = len(_of(run, "straggler_report"))
+            out = io.StringIO()
+            assert straggler_main([str(run), flag], out=out) == 0
+            written = os.stat(run / ".monitors" / "straggler.json").st_mtime
+            after = wait_for(lambda: _of(run, "straggler_report")[before + 1:before + 2], 30.0, "two reports")
+            new = [r for r in _of(run, "straggler_report")[before:before + 2] if r["control_read_at"] >= written]
+            # The first report that read the control after the write obeys it: at most one interval later.
+            assert new and new[0]["enabled"] is enabled, (written, _of(run, "straggler_report")[before:])
+            return after[0]
+
+        switch("--off", False)
+        assert all(not r["enabled"] for r in _of(run, "straggler_report")[-1:])
+        flagged_before = len(_of(run, "straggler_detected"))
+        last = switch("--on", True)
+        assert last["enabled"] and "2" in last["scores"]
+        wait_for(lambda: len(_of(run, "straggler_detected")) > flagged_before, 30.0, "rank 2 flagged again",
+                 every=0.1)
+        assert {d["rank"] for d in _of(run, "straggler_detected")} == {2}
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
