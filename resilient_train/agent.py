@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from monitors import EventLog, MonitorConfig, NodeMonitor
 from resilient_train import env as E
+from resilient_train.spare import SPARE_READY_FD
 from resilient_train.store import Keys, attempt_store, current_generation, declare_fault
 
 __all__ = ["Agent", "AgentConfig", "AgentError", "WorkerState"]
@@ -172,18 +174,35 @@ class Agent:
     def _popen(self, env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-u", *self._argv()], env=env, preexec_fn=_die_with_parent)
 
-    def _start_spare(self) -> None:
+    def _start_spare(self, *, wait_ready_s: float = 0.0) -> None:
+        """Starts a spare; with ``wait_ready_s``, waits until it has imported torch."""
         if not self.config.warm_spare or (self._spare is not None and self._spare.poll() is None):
             return
-        self._spare = subprocess.Popen(
-            [sys.executable, "-u", "-m", "resilient_train.spare"], stdin=subprocess.PIPE, text=True,
-            preexec_fn=_die_with_parent, env={**os.environ, **self.config.env},
-        )
+        ready_r, ready_w = os.pipe()
+        try:
+            self._spare = subprocess.Popen(
+                [sys.executable, "-u", "-m", "resilient_train.spare"], stdin=subprocess.PIPE, text=True,
+                preexec_fn=_die_with_parent, pass_fds=(ready_w,),
+                env={**os.environ, **self.config.env, SPARE_READY_FD: str(ready_w)},
+            )
+        finally:
+            os.close(ready_w)
+        try:
+            if wait_ready_s > 0:
+                readable, _, _ = select.select([ready_r], [], [], wait_ready_s)
+                if not readable:
+                    self.events.emit("spare_slow", waited_s=wait_ready_s)
+        finally:
+            os.close(ready_r)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
         c = self.config
         self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=c.script, args=c.script_args)
+        # The spare imports torch first, alone: the ranks starting beside it
+        # would slow its import several-fold, and a fault early in the run
+        # would find it still cold.
+        self._start_spare(wait_ready_s=30.0)
         for local in range(c.nproc_per_node):
             self._spawn(c.node_rank * c.nproc_per_node + local, 0, replacement=False)
         self._start_spare()
