@@ -16,6 +16,9 @@ class FaultKind(str, Enum):
     HANG = "hang"  # SIGSTOP of the rank's process (the agent's hang detection must catch it)
     SPIN = "spin"  # the main thread spins in C code holding the GIL (no other thread runs)
     BLOCK = "block"  # the main thread blocks forever while its other threads run (e.g. data loading)
+    SLOW = "slow"  # the rank is slowed down for duration_s (a straggler): each entry to the phase sleeps
+    TERM = "term"  # SIGTERM of the rank's process (preemption of one rank)
+    NETBREAK = "netbreak"  # the rank's process-group connections are shut down (not the store's)
 
 
 class Phase(str, Enum):
@@ -32,12 +35,19 @@ class Phase(str, Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class Fault:
-    """One fault. ``step`` None means the first time the phase is reached at all."""
+    """One fault. ``step`` None means the first time the phase is reached at all.
+
+    ``not_before`` (seconds since the epoch) holds the fault back until then: a
+    fault pinned to a wall-clock offset fires at the first matching phase after
+    it. ``duration_s`` is how long a lasting fault (``slow``) lasts.
+    """
 
     kind: FaultKind
     rank: int
     phase: Phase
     step: int | None = None
+    not_before: float | None = None
+    duration_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", FaultKind(self.kind))

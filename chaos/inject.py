@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import stat
+import time
 from typing import Callable
 
 from chaos.faults import Fault, FaultKind, Phase
@@ -35,6 +38,7 @@ class Injector:
         self._claim = claim
         self._announce = announce
         self._phases = {f.phase for _, f in self._mine}
+        self._slow: tuple[Phase, float] | None = None  # (phase, until) while a slow fault lasts
 
     def __bool__(self) -> bool:
         return bool(self._mine)
@@ -42,8 +46,17 @@ class Injector:
     def at(self, phase: Phase, step: int) -> None:
         if phase not in self._phases:
             return
+        if self._slow is not None and self._slow[0] == phase:
+            if time.time() < self._slow[1]:
+                time.sleep(_SLOW_DELAY_S)
+            else:
+                self._slow = None
         for i, f in self._mine:
-            if f.phase == phase and (f.step is None or f.step == step) and self._claim(i):
+            if f.phase != phase or (f.step is not None and f.step != step):
+                continue
+            if f.not_before is not None and time.time() < f.not_before:
+                continue
+            if self._claim(i):
                 self._fire(f, step)
 
     def _fire(self, fault: Fault, step: int) -> None:
@@ -57,5 +70,49 @@ class Injector:
         elif fault.kind is FaultKind.BLOCK:
             r, _w = os.pipe()
             os.read(r, 1)  # nothing is ever written
+        elif fault.kind is FaultKind.TERM:
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif fault.kind is FaultKind.SLOW:
+            self._slow = (fault.phase, time.time() + (fault.duration_s or 2.0))
+            time.sleep(_SLOW_DELAY_S)
+        elif fault.kind is FaultKind.NETBREAK:
+            _break_connections()
         elif fault.kind is FaultKind.RAISE:
             raise InjectedFault(f"injected exception at step {step}, phase {fault.phase.value}")
+
+
+_SLOW_DELAY_S = 0.05  # per entry to the slowed phase: several times a small job's step
+
+
+def _break_connections() -> int:
+    """Shuts down this process's TCP connections except those to the store (MASTER_PORT).
+
+    What is left is the process group's: both ends see the connection closed,
+    as after a broken link, and the next collective fails.
+    """
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
+    broken = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            try:
+                peer = sock.getpeername()
+            except OSError:
+                continue  # a listening socket
+            if store_port in (peer[1], sock.getsockname()[1]):
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            broken += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()  # the duplicate only
+    return broken
