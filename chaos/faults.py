@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Iterable
 
-__all__ = ["Fault", "FaultKind", "Phase", "dumps_faults", "loads_faults"]
+__all__ = ["VALUE_KINDS", "Fault", "FaultKind", "Phase", "dumps_faults", "loads_faults"]
 
 
 class FaultKind(str, Enum):
@@ -19,6 +19,13 @@ class FaultKind(str, Enum):
     SLOW = "slow"  # the rank is slowed down for duration_s (a straggler): each entry to the phase sleeps
     TERM = "term"  # SIGTERM of the rank's process (preemption of one rank)
     NETBREAK = "netbreak"  # the rank's process-group connections are shut down (not the store's)
+    # Value faults (chaos.values): wrong numbers, for the rerun state machine.
+    NAN = "nan"  # the rank's loss is NaN once (transient)
+    BITFLIP = "bitflip"  # a bit flips in the rank's gradient every step from `step`, in that process only (persistent)
+    SPIKE = "spike"  # the batch of (step, rank) makes the loss spike wherever it is computed (genuine)
+
+
+VALUE_KINDS = frozenset({FaultKind.NAN, FaultKind.BITFLIP, FaultKind.SPIKE})  # applied by chaos.values, not at a phase
 
 
 class Phase(str, Enum):

@@ -9,7 +9,7 @@ import stat
 import time
 from typing import Callable
 
-from chaos.faults import Fault, FaultKind, Phase
+from chaos.faults import VALUE_KINDS, Fault, FaultKind, Phase
 
 __all__ = ["InjectedFault", "Injector"]
 
@@ -34,7 +34,8 @@ class Injector:
         claim: Callable[[int], bool],
         announce: Callable[[Fault], None] = lambda f: None,
     ) -> None:
-        self._mine = [(i, f) for i, f in enumerate(faults) if f.rank == rank]
+        # Value faults are applied to values (chaos.values), not fired at a phase.
+        self._mine = [(i, f) for i, f in enumerate(faults) if f.rank == rank and f.kind not in VALUE_KINDS]
         self._claim = claim
         self._announce = announce
         self._phases = {f.phase for _, f in self._mine}
