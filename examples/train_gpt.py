@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import resilient_train as rt
+from resilient_train.disk import default_checkpoint_config
 
 
 @dataclass(kw_only=True)
@@ -93,7 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
-    p.add_argument("--ckpt-every", type=int, default=0, help="disk checkpoint interval in steps (0: none)")
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="disk checkpoint interval in steps, under RUN_DIR/checkpoints (0: none; needs a run dir)")
+    p.add_argument("--ckpt-mode", choices=["process", "disabled"], default="process",
+                   help="process: saves are written by a background process (default); disabled: saves block")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -110,7 +114,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = GPTConfig(d_model=args.d_model, layers=args.layers, heads=args.heads, seq_len=args.seq_len)
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps))
+    run_dir = rt.WorkerEnv.from_environ().run_dir
+    checkpoint = (
+        default_checkpoint_config(run_dir, args.ckpt_every, mode=args.ckpt_mode) if args.ckpt_every and run_dir else None
+    )
+    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, checkpoint=checkpoint))
     if sup.env.replacement:
         # A replacement takes its weights from a peer: skip initialisation.
         with torch.device("meta"):

@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from chaos import Fault, Injector, Phase, loads_faults
+from checkpointing import CheckpointConfig
 from monitors import EventLog, ProgressReporter
 from resilient_train import env as envvars
 from resilient_train.dataparallel import GradientAverager
+from resilient_train.disk import DiskCheckpoints
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
 from resilient_train.heal import broadcast_state
 from resilient_train.lifecycle import Lifecycle, SupervisorState
@@ -45,6 +47,7 @@ class SupervisorConfig:
     intra_op_threads: int | None = 1  # a fixed count keeps CPU results reproducible; None leaves torch's
     deterministic: bool = True
     write_final: bool = True
+    checkpoint: CheckpointConfig | None = None  # disk checkpoints (see resilient_train.disk)
     watch_interval_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -162,6 +165,11 @@ class Supervisor:
             "run_start", rank=self.env.rank, pid=os.getpid(), world_size=self.env.world_size,
             replacement=self.env.replacement, steps=self.config.steps,
         )
+        self.disk = (
+            DiskCheckpoints(self.config.checkpoint, rank=self.env.rank, world_size=self.env.world_size,
+                            store=self.store, events=self.events)
+            if self.config.checkpoint is not None else None
+        )
         self._start_watch()
         fresh = not self.env.replacement
         try:
@@ -185,6 +193,8 @@ class Supervisor:
             self._destroy_group()
             if self.progress is not None:
                 self.progress.close()
+            if self.disk is not None:
+                self.disk.close()
         self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step, recoveries=self.recoveries)
         return state
 
@@ -204,6 +214,8 @@ class Supervisor:
         self.generation = plan.generation
         self._generation_moved.clear()
         self._init_group(plan.generation)
+        if self.disk is not None:
+            self.disk.on_generation(self.store, plan.generation)
         self._timings["rendezvous_s"] = time.monotonic() - t0
         self.lifecycle.to(SupervisorState.RESTORING)
         t1 = time.monotonic()
@@ -249,11 +261,18 @@ class Supervisor:
     # -------------------------------------------------------------- restore
     def _restore(self, plan: ResumePlan) -> None:
         state = self.state
-        if plan.source is ResumeSource.START:
+        if plan.source in (ResumeSource.START, ResumeSource.DISK):
+            loaded = None
+            if self.disk is not None:
+                self._progress("load", state.step)
+                loaded = self.disk.load_agreed(state, self.store, plan.generation, timeout=self.config.join_timeout_s)
+            if loaded is None and plan.source is ResumeSource.DISK:
+                raise JoinError("no step is held by every rank and there is no checkpoint to fall back on")
+            if loaded is not None:
+                self.events.emit("resumed_from_disk", rank=self.env.rank, step=loaded, generation=plan.generation)
+            self._ring.drop_after(-1)
             self._snapshot()
             return
-        if plan.source is ResumeSource.DISK:
-            raise JoinError("no step is held by every rank and no checkpoint is configured to fall back on")
         assert plan.step is not None and plan.heal_from is not None
         mine = self._ring.steps()
         if mine:
@@ -282,6 +301,9 @@ class Supervisor:
             out = step_fn(ctx)
             state.step += 1
             self._snapshot()
+            if self.disk is not None:
+                self._progress("checkpoint", state.step)
+                self.disk.maybe_save(state)
             if self.env.rank == 0:
                 self.events.emit("step_done", step=state.step, loss=_as_float(out), generation=self.generation)
             ctx.enter(Phase.BETWEEN_STEPS)

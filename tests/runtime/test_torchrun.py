@@ -16,7 +16,7 @@ STEPS = 12
 TORCHRUN = shutil.which("torchrun")
 
 
-def _torchrun(run_dir, faults, *, max_restarts: int) -> Job:
+def _torchrun(run_dir, faults, *, max_restarts: int, extra: list[str] | None = None) -> Job:
     env = {
         **os.environ,
         "RT_RUN_DIR": str(run_dir),
@@ -25,7 +25,7 @@ def _torchrun(run_dir, faults, *, max_restarts: int) -> Job:
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
-           "--standalone", str(GPT), "--steps", str(STEPS), *SMALL_GPT]
+           "--standalone", str(GPT), "--steps", str(STEPS), *SMALL_GPT, *(extra or [])]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=REPO, env=env)
     return Job(p.returncode, p.stdout, p.stderr, run_dir)
 
@@ -47,4 +47,18 @@ def test_dead_process_is_restarted_by_torchrun(tmp_path, references):
     # torchrun restarted both workers: two run starts per rank.
     assert sorted(e["rank"] for e in job.of("run_start")) == [0, 0, 1, 1]
     d = ckpt_diff(references.get(2, STEPS), job.run_dir / "final")
+    assert d.returncode == 0, d.stdout + d.stderr
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path, references):
+    steps = 16
+    faults = [{"kind": "kill", "rank": 0, "step": 14, "phase": "backward"}]
+    job = _torchrun(tmp_path / "run", faults, max_restarts=1,
+                    extra=["--steps", str(steps), "--ckpt-every", "4", "--ckpt-mode", "disabled"])
+    assert job.returncode == 0, job.stderr[-3000:]
+    resumed = job.of("resumed_from_disk")
+    assert sorted(e["rank"] for e in resumed) == [0, 1]
+    assert {e["step"] for e in resumed} == {12}
+    d = ckpt_diff(references.get(2, steps), job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr

@@ -1,0 +1,89 @@
+"""Disk checkpoints inside the supervisor: periodic async saves and the fallback load.
+
+In-memory snapshots cover a lost rank whose peers are alive. The disk is for
+everything else: a launcher that restarted every worker (plain torchrun), a
+job started again, or a fault that left no step held by every rank. The train
+state goes to disk as ``{"model", "optimizer", "local"}``, where ``local`` (the
+data position and RNG states) is written by each rank for itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from checkpointing import CheckpointConfig, CheckpointManager, NoCheckpointError
+from monitors import EventLog
+from resilient_train.store import wait_until
+from resilient_train.train_state import TrainState
+
+__all__ = ["DiskCheckpoints", "default_checkpoint_config"]
+
+LOCAL_KEY = "local"
+
+
+def default_checkpoint_config(run_dir: str | Path, every: int, *, mode: str = "process") -> CheckpointConfig:
+    """Saves every ``every`` steps under RUN_DIR/checkpoints; a save that would
+    wait for the previous one is skipped (and logged) rather than stall training.
+    ``mode="disabled"`` makes every save block until committed."""
+    return CheckpointConfig(
+        directory=Path(run_dir) / "checkpoints", interval=every, keep_last=2, in_flight="skip",
+        local_keys=(LOCAL_KEY,), timeout_s=120.0, async_mode=mode,
+    )
+
+
+class DiskCheckpoints:
+    def __init__(
+        self, config: CheckpointConfig, *, rank: int, world_size: int, store: dist.Store, events: EventLog
+    ) -> None:
+        if LOCAL_KEY not in config.local_keys:
+            raise ValueError(f"the supervisor's checkpoint config must list {LOCAL_KEY!r} in local_keys")
+        self.config = config
+        self.rank = rank
+        # Re-pointed at each generation's keys by on_generation.
+        self._manager = CheckpointManager(
+            config, rank=rank, world_size=world_size, store=dist.PrefixStore("rt/ckpt-unused", store), events=events
+        )
+
+    def on_generation(self, store: dist.Store, generation: int) -> None:
+        # Saves of a failed generation never mix their reports with the next one's.
+        self._manager.set_store(dist.PrefixStore(f"rt/gen/{generation}/ckpt", store))
+
+    def maybe_save(self, state: TrainState) -> None:
+        if self.config.should_save(state.step):
+            self._manager.save(state.step, self._state_dict(state))
+
+    def load_agreed(self, state: TrainState, store: dist.Store, generation: int, *, timeout: float) -> int | None:
+        """Every rank loads the same step: rank 0 picks the newest committed one.
+
+        Returns the step loaded, or None when there is no checkpoint at all.
+        """
+        key = f"rt/gen/{generation}/disk_step"
+        if self.rank == 0:
+            latest = self._manager.latest_step()
+            store.set(key, "" if latest is None else str(latest))
+        else:
+            wait_until(lambda: store.check([key]), timeout=timeout, what="the step to load from disk")
+        chosen = store.get(key).decode()
+        if not chosen:
+            return None
+        try:
+            loaded, _ = self._manager.load(step=int(chosen))
+        except NoCheckpointError:
+            raise RuntimeError(f"checkpoint step {chosen} chosen by rank 0 does not verify on rank {self.rank}") from None
+        state.load_replicated(loaded)
+        if LOCAL_KEY in loaded:
+            state.load_local(loaded[LOCAL_KEY])
+        else:
+            # Saved on fewer ranks: this rank had no predecessor. The step is
+            # the data position; its RNG streams stay as the script seeded them.
+            state.step = int(chosen)
+        return state.step
+
+    def close(self) -> None:
+        self._manager.close()
+
+    @staticmethod
+    def _state_dict(state: TrainState) -> dict:
+        return {**state.replicated_state_dict(), LOCAL_KEY: state.local_state_dict()}
