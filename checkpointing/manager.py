@@ -82,8 +82,7 @@ class CheckpointManager:
         self._events = events if events is not None else EventLog(None, source=f"ckpt.rank{rank}")
         self._coord = StoreCoordinator(store, rank=rank, world_size=world_size, prefix=config.store_prefix)
         self._stager = HostStager()
-        self._writer = WriterProcess(rank=rank)
-        self._writer.start()  # its imports overlap with training until the first save
+        self._writer = WriterProcess(rank=rank)  # started by the first save; its imports overlap the staging
         self._state = ManagerState.OPEN
         self._inflight: SaveHandle | None = None
         self._last_committed: int | None = None
@@ -124,6 +123,7 @@ class CheckpointManager:
             self._events.emit("checkpoint_waiting", step=step, in_flight=previous.step, rank=self.rank)
             previous.wait(self.config.timeout_s)
         started = time.monotonic()
+        self._writer.start()  # no-op once running; (re)starts a dead one without waiting for it
         local_keys = set(self.config.local_keys)
         replicated = {k: v for k, v in state.items() if k not in local_keys}
         local = {k: v for k, v in state.items() if k in local_keys}

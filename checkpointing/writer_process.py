@@ -138,11 +138,12 @@ class _KillMidWrite:
         from checkpointing import testhooks
 
         view = memoryview(data).cast("B")
-        if len(view) > 1:
-            self._stream.write(view[: len(view) // 2])
-            self._stream.flush()
-            testhooks.crash_point("writing", step=self._step, rank=self._rank)
-        return self._stream.write(data)
+        half = len(view) // 2
+        self._stream.write(view[:half])
+        self._stream.flush()
+        testhooks.crash_point("writing", step=self._step, rank=self._rank)
+        self._stream.write(view[half:])
+        return len(view)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpointing import CheckpointError, diff_states, read_state, verify_checkpoint, write_state
-from checkpointing.manifest import Manifest
+from checkpointing.cli import main
 from ckpt_helpers import evil_pickle, forge_manifest_entry, make_state
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,30 +140,34 @@ def test_pickled_object_where_tensors_belong(tmp_path: Path) -> None:
     assert not sentinel.exists()
 
 
-def test_cli_exit_codes_and_messages(tmp_path: Path) -> None:
+def test_cli_exit_codes_and_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "root"
     write_state(root / "step-1", make_state(5), step=1)
     s = make_state(5)
     s["model"]["layer.weight"][0, 0] += 1
     write_state(root / "step-2", s, step=2)
 
-    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "checkpointing.cli", *argv], capture_output=True, text=True, timeout=60
-        )
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
 
-    r = cli("diff", str(root / "step-1"), str(root / "step-2"))
-    assert r.returncode == 1 and r.stdout.startswith("state.model.layer.weight: 1 of 128 elements differ")
-    assert cli("diff", str(root / "step-1"), str(root / "step-1")).returncode == 0
-    r = cli("diff", str(root / "nope"), str(root / "step-1"))
-    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert cli("verify", str(root)).returncode == 0
-    r = cli("inspect", str(root), "--step", "2")
-    assert r.returncode == 0 and "model.layer.weight: float32 [8, 16] 512 bytes" in r.stdout
-    assert "data.samples_seen = 1239" in r.stdout
+    code, out, _ = cli("diff", str(root / "step-1"), str(root / "step-2"))
+    assert code == 1 and out.startswith("state.model.layer.weight: 1 of 128 elements differ")
+    assert cli("diff", str(root / "step-1"), str(root / "step-1"))[0] == 0
+    assert cli("verify", str(root))[0] == 0
+    code, out, _ = cli("inspect", str(root), "--step", "2")
+    assert code == 0 and "model.layer.weight: float32 [8, 16] 512 bytes" in out
+    assert "data.samples_seen = 1239" in out
     (root / "step-1" / "__0_0.distcp").write_bytes(b"junk")
-    r = cli("verify", str(root))
-    assert r.returncode == 1 and "step-1/__0_0.distcp: size 4" in r.stdout
-    r = cli("ls", str(root))
-    assert r.returncode == 0 and "step-2" in r.stdout
-    Manifest.read(root / "step-2")  # still fine
+    code, out, _ = cli("verify", str(root))
+    assert code == 1 and "step-1/__0_0.distcp: size 4" in out
+    code, out, _ = cli("ls", str(root))
+    assert code == 0 and "step-2" in out
+    assert cli("inspect", str(root))[0] == 2  # a root needs --step
+    # As a real command: errors are one line, exit 2, no traceback.
+    r = subprocess.run(
+        [sys.executable, "-m", "checkpointing.cli", "diff", str(root / "nope"), str(root / "step-2")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
