@@ -56,7 +56,7 @@ def test_sigstop_is_detected_within_timeout(tmp_path, procs: Procs) -> None:
 def test_gil_holding_spin_is_detected(tmp_path, procs: Procs) -> None:
     run = str(tmp_path)
     procs.start(train_loop, run, 0, {"hang_at": 5, "hang": "spin"})
-    det = HangDetector(HangConfig(default_timeout=TIMEOUT), run, [0])
+    det = HangDetector(HangConfig(computed=False, default_timeout=TIMEOUT), run, [0])
     hang = _detect(det, 0, budget=30.0)  # start-up included; the rank hangs at step 5
     assert (hang.section, hang.step, hang.timeout_s) == ("forward", 5, TIMEOUT)
     assert hang.since_progress_s <= TIMEOUT + 2.0
@@ -67,7 +67,7 @@ def test_blocked_data_loading_is_detected_while_a_heartbeat_thread_runs(tmp_path
     run = str(tmp_path)
     ticks = CTX.Value("q", 0)
     procs.start(train_loop, run, 0, {"hang_at": 4, "hang": "block-data", "hang_section": "data", "ticks": ticks})
-    det = HangDetector(HangConfig(default_timeout=TIMEOUT), run, [0])
+    det = HangDetector(HangConfig(computed=False, default_timeout=TIMEOUT), run, [0])
     hang = _detect(det, 0, budget=30.0)
     assert (hang.section, hang.step) == ("data", 4)
     assert hang.since_progress_s <= TIMEOUT + 2.0
@@ -88,7 +88,8 @@ def test_collective_blocked_by_a_stopped_peer(tmp_path, procs: Procs) -> None:
     store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     result_r, result_w = CTX.Pipe(duplex=False)
     ranks = [procs.start(gloo_rank, run, rank, 2, store.port, 5, result_w) for rank in (0, 1)]
-    det = HangDetector(HangConfig(default_timeout=TIMEOUT, timeouts={"forward": 2 * TIMEOUT}), run, [0, 1])
+    cfg = HangConfig(computed=False, default_timeout=TIMEOUT, timeouts={"forward": 2 * TIMEOUT})
+    det = HangDetector(cfg, run, [0, 1])
     hang1 = _detect(det, 1, budget=120.0, alive=ranks)  # includes two torch imports on a loaded machine
     hangs = {h.rank: h for h in det.poll()}
     assert (hang1.section, hang1.step, hang1.blocked_by_peer) == ("forward", 5, False)
@@ -126,7 +127,7 @@ def test_computed_timeouts_merge_ranks_and_round_trip_as_json(tmp_path, procs: P
 @pytest.mark.timeout(60)
 def test_startup_window_and_reset_after_respawn(tmp_path, procs: Procs) -> None:
     run = str(tmp_path)
-    cfg = HangConfig(default_timeout=TIMEOUT, startup_timeout=5.0)
+    cfg = HangConfig(computed=False, default_timeout=TIMEOUT, startup_timeout=5.0)
     t0 = time.monotonic()
     det = HangDetector(cfg, run, [0])
     assert det.poll(t0 + 4.0) == []  # no slot yet: start-up
