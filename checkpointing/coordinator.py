@@ -6,6 +6,10 @@ flight, and the store (hosted by the agent) outlives any rank. Keys, under
 ``arrived`` a counter, ``all`` set by the last rank to arrive, ``outcome`` set by
 rank 0 once it committed or gave up. Pass a store namespaced by generation
 (e.g. a ``PrefixStore``) so a step saved again after a restart starts clean.
+
+The committer blocks in ``Store.wait``; a TCPStore client serves one request at
+a time, so the coordinator works on its own connection (``Store.clone()``) and
+never stalls the caller's heartbeats or rendezvous on the shared one.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ class StoreCoordinator:
     def __init__(self, store: dist.Store | None, *, rank: int, world_size: int, prefix: str) -> None:
         if store is None and world_size > 1:
             raise ValueError("CheckpointManager: world_size > 1 needs a store to coordinate commits")
-        self._store = store
+        self._store = _own_connection(store)
         self._rank = rank
         self._world = world_size
         self._prefix = prefix
@@ -33,7 +37,7 @@ class StoreCoordinator:
         self._outcome: dict[int, dict[str, Any]] = {}
 
     def set_store(self, store: dist.Store) -> None:
-        self._store = store
+        self._store = _own_connection(store)
 
     def _key(self, step: int, name: str) -> str:
         return f"{self._prefix}/{step}/{name}"
@@ -71,3 +75,12 @@ class StoreCoordinator:
         except dist.DistStoreError as e:
             raise TimeoutError(f"no commit verdict for step {step} from rank 0: {e}") from None
         return json.loads(self._store.get(self._key(step, "outcome")))
+
+
+def _own_connection(store: dist.Store | None) -> dist.Store | None:
+    if store is None:
+        return None
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError, AttributeError):  # stores without clone (HashStore, FileStore)
+        return store
