@@ -18,7 +18,7 @@ from typing import Any
 
 from monitors import read_events
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "summarize_recoveries"]
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 # Small enough for a laptop's cores, large enough to be a real transformer.
@@ -74,7 +74,7 @@ def _watch(label: str, proc: subprocess.Popen, run_dir: Path, steps: int, timeou
         time.sleep(0.5 if not tty else 0.2)
 
 
-def _report(run_dir: Path) -> list[str]:
+def summarize_recoveries(run_dir: Path) -> list[str]:
     events = list(read_events(run_dir / "events.jsonl"))
     lines = []
     injected = [e for e in events if e["event"] == "fault_injected"]
@@ -118,7 +118,7 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str = "runs/demo", tim
             print(f"resilient-train demo: the {label} run failed (exit {rc}); see {root / label / 'job.log'}")
             return 1
     print("\nFaults and recoveries:")
-    for line in _report(root / "faulted"):
+    for line in summarize_recoveries(root / "faulted"):
         print(line)
     print(f"\nWall time: fault-free {runs['fault-free'][1]:.1f} s, faulted {runs['faulted'][1]:.1f} s")
     diff = diff_states(root / "fault-free" / "final", root / "faulted" / "final")

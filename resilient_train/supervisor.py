@@ -10,18 +10,20 @@ from a peer and carries on. See shared/DESIGN.md, "Recovery protocol".
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from chaos import Fault, Injector, Phase, loads_faults
+from chaos.values import ValueFaults
 from checkpointing import CheckpointConfig
 from monitors import EventLog, ProgressReporter
 from resilient_train import env as envvars
@@ -30,6 +32,8 @@ from resilient_train.disk import DiskCheckpoints
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
 from resilient_train.heal import broadcast_state
 from resilient_train.lifecycle import Lifecycle, SupervisorState
+from resilient_train.rerun import RerunConfig, RerunDriver, RerunHooks, StepResult
+from resilient_train.rerun.driver import RECORD_KEY
 from resilient_train.snapshot import SnapshotRing
 from resilient_train.store import Keys, attempt_store, current_generation, declare_fault, read_fault, wait_until
 from resilient_train.train_state import TrainState, decode_local, encode_local
@@ -49,6 +53,7 @@ class SupervisorConfig:
     write_final: bool = True
     checkpoint: CheckpointConfig | None = None  # disk checkpoints (see resilient_train.disk)
     watch_interval_s: float = 0.05
+    rerun: RerunConfig = field(default_factory=RerunConfig)  # result validation and re-runs (resilient_train.rerun)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -71,6 +76,8 @@ class StepContext:
         self.device = sup.device
         self.step = 0
         self.phase: Phase = Phase.BETWEEN_STEPS
+        # Whose batch this computation is: another rank's when a peer re-runs it (data = f(seed, step, data_rank)).
+        self.data_rank = self.rank
 
     @property
     def generation(self) -> int:
@@ -84,7 +91,12 @@ class StepContext:
     def average_gradients(self) -> None:
         """The data-parallel gradient all-reduce, as its own phase."""
         self.enter(Phase.ALL_REDUCE)
+        self._sup._before_all_reduce()
         self._sup._averager()
+
+    def loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Reports the step's loss before ``backward``; use the tensor it returns (value faults apply here)."""
+        return self._sup._on_loss(loss)
 
 
 StepFn = Callable[[StepContext], Any]
@@ -94,6 +106,9 @@ class Supervisor:
     def __init__(self, config: SupervisorConfig, *, env: envvars.WorkerEnv | None = None) -> None:
         self.config = config
         self.env = env or envvars.WorkerEnv.from_environ()
+        if config.deterministic:
+            # cuBLAS is deterministic only with a fixed workspace, set before its first use.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.lifecycle = Lifecycle()
         self.generation = -1
         self.recoveries = 0
@@ -116,6 +131,10 @@ class Supervisor:
         )
         self._averager: GradientAverager
         self._timings: dict[str, float] = {}
+        self._values = ValueFaults(loads_faults(os.environ.get(envvars.RT_CHAOS, "")), rank=self.env.rank,
+                                   claim=self._claim_fault, announce=self._announce_fault)
+        self._measured: list[torch.Tensor | None] = [None, None]  # this computation's loss, local grad norm
+        self._rerun = self._make_rerun() if config.rerun.enabled else None
 
     # ----------------------------------------------------------------- setup
     def _pick_device(self) -> torch.device:
@@ -195,6 +214,8 @@ class Supervisor:
                 self.progress.close()
             if self.disk is not None:
                 self.disk.close()
+        if self._rerun is not None:
+            self.events.emit("rerun_summary", rank=self.env.rank, **self._rerun.summary())
         self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step, recoveries=self.recoveries)
         return state
 
@@ -288,7 +309,9 @@ class Supervisor:
             if replicated is None:
                 replicated = healed
         state.load_replicated(replicated)
-        state.load_local(decode_local(local))
+        decoded = decode_local(local)
+        state.load_local(decoded)
+        self._load_rerun(decoded, replacement=not mine)
         assert state.step == plan.step, (state.step, plan.step)
         self._ring.drop_after(plan.step)
         self._snapshot()
@@ -298,7 +321,9 @@ class Supervisor:
         state, ctx = self.state, self.ctx
         while state.step < self.config.steps:
             ctx.step = state.step
-            out = step_fn(ctx)
+            out = self._compute(step_fn, state.step, self.env.rank)
+            if self._rerun is not None:
+                self._after_step(step_fn, out)  # may re-run the step, roll it back (skip), or stop
             state.step += 1
             self._snapshot()
             if self.disk is not None:
@@ -310,7 +335,7 @@ class Supervisor:
 
     def _snapshot(self) -> None:
         state = self.state
-        local = encode_local(state.local_state_dict())
+        local = encode_local(self._local_state_dict())
         self._ring.capture(state.step, state.replicated_state_dict(), local)
         self.store.set(Keys.local_state(self.env.rank, state.step % 2), f"{state.step}\n".encode() + local)
 
@@ -371,6 +396,7 @@ class Supervisor:
             head, payload = self.store.get(Keys.local_state(r, steps % 2)).split(b"\n", 1)
             assert int(head) == steps, f"rank {r} published step {int(head)}, expected {steps}"
             locals_[r] = decode_local(payload)
+            locals_[r].pop("rerun", None)  # the run's memory of faults, not training state
         path = self.run_dir / "final"  # type: ignore[operator]
         write_state(path, self.state.state_dict(local_states=locals_), step=steps,
                     extras={"world_size": self.env.world_size})
@@ -428,6 +454,105 @@ class Supervisor:
             return False
         return True
 
+    # ---------------------------------------------------------------- rerun
+    def _make_rerun(self) -> RerunDriver:
+        hooks = RerunHooks(exchange=self._exchange, rewind=self._rewind, save=self._save_for_stop, exit=_exit,
+                           publish=lambda key, value: self.store.set(key, value))
+        return RerunDriver(self.config.rerun, rank=self.env.rank, world_size=self.env.world_size,
+                           emit=self.events.emit, hooks=hooks)
+
+    def _compute(self, step_fn: StepFn, step: int, as_rank: int) -> Any:
+        """One computation of ``step`` with ``as_rank``'s data (the caller loaded that rank's local state)."""
+        self.ctx.step, self.ctx.data_rank = step, as_rank
+        self._measured = [None, None]
+        return step_fn(self.ctx)
+
+    def _after_step(self, step_fn: StepFn, out: Any) -> None:
+        step = self.state.step
+        assert self._rerun is not None
+
+        def recompute(as_rank: int) -> StepResult:
+            self._rewind(step, as_rank)
+            return self._result(self._compute(step_fn, step, as_rank))
+
+        self._rerun.after_step(step, self._result(out), recompute)
+        self.ctx.data_rank = self.env.rank
+
+    def _result(self, out: Any) -> StepResult:
+        loss = _as_float(self._measured[0] if self._measured[0] is not None else out)
+        if loss is None:
+            raise ValueError("rerun validation needs the step's loss: return it from the step or pass it to ctx.loss()")
+        norm = self._measured[1]
+        return StepResult(loss=loss, grad_norm=None if norm is None else float(norm))
+
+    def _rewind(self, step: int, as_rank: int | None = None) -> None:
+        """Back to the snapshot of ``step``; with ``as_rank``, with that rank's local state (RNG, data position)."""
+        snap = self._ring.get(step)
+        self.state.load_replicated(snap.replicated())
+        local = snap.local
+        if as_rank is not None and as_rank != self.env.rank:
+            head, local = self.store.get(Keys.local_state(as_rank, step % 2)).split(b"\n", 1)
+            assert int(head) == step, (int(head), step)
+        self.state.load_local(decode_local(local))
+
+    def _exchange(self, row: list[float]) -> list[list[float]]:
+        """Every rank's ``row``, to every rank: one all-reduce of a table with a row per rank."""
+        table = torch.zeros(self.env.world_size, len(row), dtype=torch.float64, device=self.device)
+        table[self.env.rank] = torch.tensor(row, dtype=torch.float64)
+        if self.env.world_size > 1:
+            dist.all_reduce(table)
+        return table.cpu().tolist()
+
+    def _on_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self._values:
+            loss = self._values.corrupt_loss(loss, step=self.ctx.step, data_rank=self.ctx.data_rank)
+        self._measured[0] = loss.detach()
+        return loss
+
+    def _before_all_reduce(self) -> None:
+        if not self._values and self._rerun is None:
+            return
+        grads = [p.grad for p in self._averager.params if p.grad is not None]
+        if self._values:
+            self._values.corrupt_grads(grads, step=self.ctx.step)
+        if self._rerun is not None and grads:
+            self._measured[1] = torch.nn.utils.get_total_norm(grads)  # local: before the all-reduce mixes ranks
+
+    def _local_state_dict(self) -> dict[str, Any]:
+        sd = self.state.local_state_dict()
+        if self._rerun is not None:
+            sd["rerun"] = json.dumps(self._rerun.state_dict())
+        return sd
+
+    def _load_rerun(self, local: dict[str, Any], *, replacement: bool) -> None:
+        if self._rerun is None or "rerun" not in local:
+            return
+        record = None
+        if replacement and self.store.check([RECORD_KEY]):
+            record = json.loads(self.store.get(RECORD_KEY))
+        self._rerun.load_state_dict(json.loads(local["rerun"]), record=record, keep_record=not replacement)
+
+    def _save_for_stop(self, step: int) -> str | None:
+        """Rank 0 writes the state of ``step`` (the last good one) to the run dir; the others wait for it."""
+        key = f"rt/gen/{self.generation}/rerun/saved"
+        if self.env.rank == 0:
+            path = ""
+            if self.run_dir is not None:
+                from checkpointing import write_state
+
+                locals_ = {}
+                for r in range(self.env.world_size):
+                    head, payload = self.store.get(Keys.local_state(r, step % 2)).split(b"\n", 1)
+                    assert int(head) == step, f"rank {r} published step {int(head)}, expected {step}"
+                    locals_[r] = decode_local(payload)
+                path = str(self.run_dir / f"rerun-stop-step-{step}")
+                write_state(path, self.state.state_dict(local_states=locals_), step=step,
+                            extras={"world_size": self.env.world_size})
+            self.store.set(key, path)
+            return path or None
+        wait_until(lambda: self.store.check([key]), timeout=self.config.rerun.stop_timeout_s, what="the saved state")
+        return self.store.get(key).decode() or None
+
     def _announce_fault(self, fault: Fault) -> None:
         self.events.emit(
             "fault_injected", rank=self.env.rank, pid=os.getpid(), kind=fault.kind.value, phase=fault.phase.value,
@@ -456,6 +581,10 @@ class Supervisor:
                     # NCCL can be aborted from another thread; gloo cannot, and
                     # relies on the dead peer's closed sockets.
                     dist.distributed_c10d._abort_process_group()
+
+
+def _exit(code: int) -> NoReturn:
+    raise SystemExit(code)
 
 
 def _as_float(x: Any) -> float | None:
