@@ -1,0 +1,159 @@
+"""From a run's events to a timeline per fault (injected, detected, recovered) and goodput."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from chaos.driver import DriverFired
+from chaos.schedule import PlannedFault
+
+__all__ = ["FaultTimeline", "Progress", "build_timelines", "progress"]
+
+_DETECTIONS = ("fault_detected", "hang_detected")
+
+
+@dataclass(kw_only=True)
+class FaultTimeline:
+    """Times are seconds since the job's launch; None: did not happen."""
+
+    index: int
+    label: str
+    kind: str
+    tolerated: bool
+    injected: float | None = None
+    detected: float | None = None
+    detected_by: str | None = None
+    recovered: float | None = None  # every rank trained a step again (or the run finished)
+    steps_redone: int | None = None
+    step: int | None = None  # where it fired
+
+    @property
+    def detect_s(self) -> float | None:
+        return None if self.injected is None or self.detected is None else self.detected - self.injected
+
+    @property
+    def recover_s(self) -> float | None:
+        return None if self.injected is None or self.recovered is None else self.recovered - self.injected
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "detect_s": self.detect_s, "recover_s": self.recover_s}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    steps: list[tuple[float, int]]  # (seconds since launch, step) at each step_done of rank 0
+    productive_s: float  # the time of the steps that count, each counted once
+    window_s: float  # first step's start to the final state
+    goodput: float  # productive_s / window_s
+
+
+def build_timelines(
+    events: list[dict[str, Any]], plan: list[PlannedFault], fired: list[DriverFired], launch: float,
+) -> list[FaultTimeline]:
+    events = sorted(events, key=lambda e: e["time"])
+    injected = [e for e in events if e["event"] == "fault_injected"]
+    used: set[int] = set()
+    by_index = {d.index: d for d in fired}
+    out = []
+    for i, f in enumerate(plan):
+        tl = FaultTimeline(index=i, label=f.label(), kind=f.kind, tolerated=f.tolerated)
+        end = None
+        if f.driver:
+            d = by_index.get(i)
+            if d is not None:
+                tl.injected, end = d.time, d.end
+        else:
+            hits = _match(injected, f, used)
+            if hits:
+                tl.injected, tl.step = min(e["time"] for e in hits), hits[0].get("step")
+                if f.duration_s is not None:
+                    end = tl.injected + f.duration_s
+        if tl.injected is not None:
+            _follow(tl, f, events, end)
+        out.append(_relative(tl, launch))
+    return out
+
+
+def _match(injected: list[dict[str, Any]], f: PlannedFault, used: set[int]) -> list[dict[str, Any]]:
+    hits = []
+    for ranks_left in [set(f.ranks)]:
+        for j, e in enumerate(injected):
+            if j in used or e.get("kind") != f.kind or e.get("rank") not in ranks_left or e.get("phase") != f.phase:
+                continue
+            if f.step is not None and f.phase != "heal" and e.get("step") != f.step:
+                continue
+            used.add(j)
+            ranks_left.discard(e["rank"])
+            hits.append(e)
+    return hits
+
+
+def _follow(tl: FaultTimeline, f: PlannedFault, events: list[dict[str, Any]], end: float | None) -> None:
+    t0 = tl.injected
+    assert t0 is not None
+    if tl.tolerated:
+        flagged = [e for e in events if e["time"] >= t0 and e["event"] == "straggler_detected" and e.get("rank") in f.ranks]
+        if flagged:
+            tl.detected, tl.detected_by = flagged[0]["time"], "monitor (straggler)"
+        resume = end if end is not None else t0
+        tl.recovered = _first_time(events, lambda e: e["event"] in ("step_done", "final_state_written") and e["time"] >= resume)
+        return
+    det = next((e for e in events if e["time"] >= t0 and e["event"] in _DETECTIONS), None)
+    if det is None:
+        return
+    tl.detected, tl.detected_by = det["time"], f"{det.get('source', '?')} ({det['event']})"
+    later = [e for e in events if e["event"] == "recovery_done" and e["time"] >= tl.detected]
+    if later:
+        g = min(e["generation"] for e in later)
+        same = [e for e in later if e["generation"] == g]
+        tl.steps_redone = max(int(e.get("steps_redone", 0)) for e in same)
+        tl.recovered = _first_time(
+            events, lambda e: (e["event"] == "step_done" and e.get("generation", -1) >= g) or e["event"] == "final_state_written",
+            after=max(e["time"] for e in same),
+        )
+    else:  # the run ended without another generation (a fault at the very end)
+        tl.recovered = _first_time(events, lambda e: e["event"] == "final_state_written", after=tl.detected)
+
+
+def _first_time(events: list[dict[str, Any]], pred: Any, after: float = float("-inf")) -> float | None:
+    return next((e["time"] for e in events if e["time"] >= after and pred(e)), None)
+
+
+def _relative(tl: FaultTimeline, launch: float) -> FaultTimeline:
+    for name in ("injected", "detected", "recovered"):
+        v = getattr(tl, name)
+        if v is not None:
+            setattr(tl, name, round(v - launch, 4))
+    return tl
+
+
+def progress(events: list[dict[str, Any]], launch: float) -> Progress:
+    """Rank 0's step progress and goodput.
+
+    A step's time is the gap between two consecutive ``step_done`` events of
+    one generation; a step computed twice (before a fault and again after)
+    counts once, at its last computation. Steps right after a (re)start, whose
+    time includes the rendezvous, count at the median step time.
+    """
+    done = sorted((e for e in events if e["event"] == "step_done"), key=lambda e: e["time"])
+    if not done:
+        return Progress(steps=[], productive_s=0.0, window_s=0.0, goodput=0.0)
+    durations: dict[int, float] = {}
+    prev = None
+    for e in done:
+        if prev is not None and e.get("generation") == prev.get("generation") and e["step"] == prev["step"] + 1:
+            durations[e["step"]] = e["time"] - prev["time"]
+        else:
+            durations.pop(e["step"], None)
+        prev = e
+    median = statistics.median(durations.values()) if durations else 0.0
+    final_steps = {e["step"] for e in done}
+    productive = sum(durations.get(s, median) for s in final_steps)
+    end = next((e["time"] for e in events if e["event"] == "final_state_written"), done[-1]["time"])
+    window = end - done[0]["time"] + durations.get(done[0]["step"], median)
+    return Progress(
+        steps=[(round(e["time"] - launch, 4), int(e["step"])) for e in done],
+        productive_s=productive, window_s=window, goodput=productive / window if window > 0 else 0.0,
+    )
