@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from checkpointing import testhooks
@@ -37,7 +36,7 @@ from checkpointing.manifest import CheckpointError, Manifest
 from checkpointing.retention import RetentionWorker
 from checkpointing.staging import HostStager
 from checkpointing.state_files import local_prefix, read_verified
-from checkpointing.tree import Skeleton, flatten_state
+from checkpointing.tree import Skeleton, fill_template, flatten_state
 from checkpointing.writer_process import WriterProcess
 from monitors.events import EventLog
 
@@ -200,7 +199,7 @@ class CheckpointManager:
                 rank=self.rank,
             )
             if template is not None:
-                state = _fill_template(template, state, "")
+                state = fill_template(template, state)
             return state, result
         wanted = f"step {step}" if step is not None else "any step"
         raise NoCheckpointError(f"no valid checkpoint ({wanted}) under {self.root}")
@@ -334,31 +333,3 @@ class CheckpointManager:
         check_move(MANAGER_MOVES, self._state, new)
         self._state = new
 
-
-def _fill_template(template: Any, loaded: Any, path: str) -> Any:
-    where = path or "<root>"
-    if isinstance(template, torch.Tensor):
-        if not isinstance(loaded, torch.Tensor):
-            raise ValueError(f"checkpoint load: {where} is {type(loaded).__name__} in the checkpoint, a tensor in the template")
-        if loaded.shape != template.shape or loaded.dtype != template.dtype:
-            raise ValueError(
-                f"checkpoint load: {where} is {loaded.dtype}{list(loaded.shape)} in the checkpoint, "
-                f"{template.dtype}{list(template.shape)} in the template"
-            )
-        with torch.no_grad():
-            template.copy_(loaded)
-        return template
-    if isinstance(template, dict):
-        if not isinstance(loaded, dict):
-            raise ValueError(f"checkpoint load: {where} is not a dict in the checkpoint")
-        missing = [k for k in template if k not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint load: {where} has no entry {missing[0]!r} in the checkpoint")
-        out = dict(loaded)
-        for k, v in template.items():
-            out[k] = _fill_template(v, loaded[k], f"{path}.{k}" if path else str(k))
-        return out
-    if isinstance(template, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(template) == len(loaded):
-        items = [_fill_template(t, x, f"{path}.{i}" if path else str(i)) for i, (t, x) in enumerate(zip(template, loaded))]
-        return type(template)(items)
-    return loaded

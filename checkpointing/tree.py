@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Skeleton", "flatten_state", "unflatten_state", "skeleton_keys"]
+__all__ = ["Skeleton", "fill_template", "flatten_state", "unflatten_state", "skeleton_keys"]
 
 Skeleton = dict[str, Any]
 _PLAIN = (int, float, bool, str, type(None))
@@ -90,3 +90,33 @@ def skeleton_keys(skeleton: Skeleton) -> list[str]:
 
     walk(skeleton)
     return keys
+
+
+def fill_template(template: Any, loaded: Any, path: str = "") -> Any:
+    """Copies ``loaded`` into ``template``'s tensors in place (shapes and dtypes must match); returns the filled tree."""
+    where = path or "<root>"
+    if isinstance(template, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise ValueError(f"checkpoint load: {where} is {type(loaded).__name__} in the checkpoint, a tensor in the template")
+        if loaded.shape != template.shape or loaded.dtype != template.dtype:
+            raise ValueError(
+                f"checkpoint load: {where} is {loaded.dtype}{list(loaded.shape)} in the checkpoint, "
+                f"{template.dtype}{list(template.shape)} in the template"
+            )
+        with torch.no_grad():
+            template.copy_(loaded)
+        return template
+    if isinstance(template, dict):
+        if not isinstance(loaded, dict):
+            raise ValueError(f"checkpoint load: {where} is not a dict in the checkpoint")
+        missing = [k for k in template if k not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint load: {where} has no entry {missing[0]!r} in the checkpoint")
+        out = dict(loaded)
+        for k, v in template.items():
+            out[k] = fill_template(v, loaded[k], f"{path}.{k}" if path else str(k))
+        return out
+    if isinstance(template, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(template) == len(loaded):
+        items = [fill_template(t, x, f"{path}.{i}" if path else str(i)) for i, (t, x) in enumerate(zip(template, loaded))]
+        return type(template)(items)
+    return loaded
