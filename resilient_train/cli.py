@@ -5,6 +5,7 @@
     resilient-train ckpt {ls,verify,inspect,diff}    checkpoints and final states
     resilient-train status RUN_DIR                   summary of a live or finished run
     resilient-train straggler RUN_DIR [--on|--off] [--threshold X]   steer straggler detection at run time
+    resilient-train chaos {run,matrix,plan,list}    prove that a job survives faults
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         from monitors.cli import straggler_main
 
         return straggler_main(argv[1:])
+    if argv[:1] == ["chaos"]:
+        from chaos.cli import main as chaos_main
+
+        return chaos_main(argv[1:])
     parser = argparse.ArgumentParser(prog="resilient-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _run_parser(sub)
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("ckpt", help="list, verify, inspect and diff checkpoints (see: resilient-train ckpt --help)")
     sub.add_parser("status", help="summary of a live or finished run (see: resilient-train status --help)")
     sub.add_parser("straggler", help="switch straggler detection of a running job on/off, or set its threshold")
+    sub.add_parser("chaos", help="run chaos scenarios and the fault matrix (see: resilient-train chaos --help)")
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
