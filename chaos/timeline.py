@@ -11,7 +11,8 @@ from chaos.schedule import PlannedFault
 
 __all__ = ["FaultTimeline", "Progress", "build_timelines", "progress"]
 
-_DETECTIONS = ("fault_detected", "hang_detected")
+_DETECTIONS = ("fault_detected", "hang_detected", "rerun_rejected")
+_VALUE_KINDS = ("nan", "bitflip", "spike")  # judged by the rerun state machine, mostly without a new generation
 
 
 @dataclass(kw_only=True)
@@ -104,6 +105,12 @@ def _follow(tl: FaultTimeline, f: PlannedFault, events: list[dict[str, Any]], en
     if det is None:
         return
     tl.detected, tl.detected_by = det["time"], f"{det.get('source', '?')} ({det['event']})"
+    if f.kind in _VALUE_KINDS and tl.step is not None:
+        nxt = next((e for e in events if e["time"] >= tl.detected and e["event"] in ("step_done", "rerun_excluded")
+                    and (e["event"] == "rerun_excluded" or e["step"] > tl.step)), None)
+        if nxt is not None and nxt["event"] == "step_done":  # re-run in place (or skipped): no new generation
+            tl.recovered, tl.steps_redone = nxt["time"], 0
+            return
     later = [e for e in events if e["event"] == "recovery_done" and e["time"] >= tl.detected]
     if later:
         g = min(e["generation"] for e in later)
