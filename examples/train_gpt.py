@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import resilient_train as rt
 from resilient_train.disk import default_checkpoint_config
+from resilient_train.rerun import OnGenuine, RerunConfig, RerunMode
 
 
 @dataclass(kw_only=True)
@@ -105,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps on rank 0 (0: never)")
+    p.add_argument("--rerun-mode", choices=[m.value for m in RerunMode], default="disabled",
+                   help="validate each step's results and re-run rejected steps (default disabled)")
+    p.add_argument("--rerun-on-genuine", choices=[m.value for m in OnGenuine], default="skip",
+                   help="a genuine numerical event: skip the batch, or save and stop with exit code 17 (default skip)")
     args = p.parse_args(argv)
     if args.steps < 0:
         p.error("--steps must be >= 0")
@@ -118,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = (
         default_checkpoint_config(run_dir, args.ckpt_every, mode=args.ckpt_mode) if args.ckpt_every and run_dir else None
     )
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, checkpoint=checkpoint))
+    rerun = RerunConfig(mode=args.rerun_mode, on_genuine=args.rerun_on_genuine)
+    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, checkpoint=checkpoint, rerun=rerun))
     if sup.env.replacement:
         # A replacement takes its weights from a peer: skip initialisation.
         with torch.device("meta"):
@@ -138,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def train_step(ctx: rt.StepContext) -> torch.Tensor:
         ctx.enter("data")
-        x, y = batch(args.seed, ctx.step, ctx.rank, size=args.batch, cfg=cfg, device=ctx.device)
+        # data_rank, not rank: a healthy peer re-running a suspect rank's step computes that rank's batch.
+        x, y = batch(args.seed, ctx.step, ctx.data_rank, size=args.batch, cfg=cfg, device=ctx.device)
         ctx.enter("forward")
-        loss = model(x, y)
+        loss = ctx.loss(model(x, y))  # the rerun validators check it
         ctx.enter("backward")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -10,14 +10,13 @@ from a peer and carries on. See shared/DESIGN.md, "Recovery protocol".
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,8 +31,8 @@ from resilient_train.disk import DiskCheckpoints
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
 from resilient_train.heal import broadcast_state
 from resilient_train.lifecycle import Lifecycle, SupervisorState
-from resilient_train.rerun import RerunConfig, RerunDriver, RerunHooks, StepResult
-from resilient_train.rerun.driver import RECORD_KEY
+from resilient_train.rerun import RerunConfig
+from resilient_train.rerun.support import RerunSupport
 from resilient_train.snapshot import SnapshotRing
 from resilient_train.store import Keys, attempt_store, current_generation, declare_fault, read_fault, wait_until
 from resilient_train.train_state import TrainState, decode_local, encode_local
@@ -102,7 +101,7 @@ class StepContext:
 StepFn = Callable[[StepContext], Any]
 
 
-class Supervisor:
+class Supervisor(RerunSupport):
     def __init__(self, config: SupervisorConfig, *, env: envvars.WorkerEnv | None = None) -> None:
         self.config = config
         self.env = env or envvars.WorkerEnv.from_environ()
@@ -454,105 +453,6 @@ class Supervisor:
             return False
         return True
 
-    # ---------------------------------------------------------------- rerun
-    def _make_rerun(self) -> RerunDriver:
-        hooks = RerunHooks(exchange=self._exchange, rewind=self._rewind, save=self._save_for_stop, exit=_exit,
-                           publish=lambda key, value: self.store.set(key, value))
-        return RerunDriver(self.config.rerun, rank=self.env.rank, world_size=self.env.world_size,
-                           emit=self.events.emit, hooks=hooks)
-
-    def _compute(self, step_fn: StepFn, step: int, as_rank: int) -> Any:
-        """One computation of ``step`` with ``as_rank``'s data (the caller loaded that rank's local state)."""
-        self.ctx.step, self.ctx.data_rank = step, as_rank
-        self._measured = [None, None]
-        return step_fn(self.ctx)
-
-    def _after_step(self, step_fn: StepFn, out: Any) -> None:
-        step = self.state.step
-        assert self._rerun is not None
-
-        def recompute(as_rank: int) -> StepResult:
-            self._rewind(step, as_rank)
-            return self._result(self._compute(step_fn, step, as_rank))
-
-        self._rerun.after_step(step, self._result(out), recompute)
-        self.ctx.data_rank = self.env.rank
-
-    def _result(self, out: Any) -> StepResult:
-        loss = _as_float(self._measured[0] if self._measured[0] is not None else out)
-        if loss is None:
-            raise ValueError("rerun validation needs the step's loss: return it from the step or pass it to ctx.loss()")
-        norm = self._measured[1]
-        return StepResult(loss=loss, grad_norm=None if norm is None else float(norm))
-
-    def _rewind(self, step: int, as_rank: int | None = None) -> None:
-        """Back to the snapshot of ``step``; with ``as_rank``, with that rank's local state (RNG, data position)."""
-        snap = self._ring.get(step)
-        self.state.load_replicated(snap.replicated())
-        local = snap.local
-        if as_rank is not None and as_rank != self.env.rank:
-            head, local = self.store.get(Keys.local_state(as_rank, step % 2)).split(b"\n", 1)
-            assert int(head) == step, (int(head), step)
-        self.state.load_local(decode_local(local))
-
-    def _exchange(self, row: list[float]) -> list[list[float]]:
-        """Every rank's ``row``, to every rank: one all-reduce of a table with a row per rank."""
-        table = torch.zeros(self.env.world_size, len(row), dtype=torch.float64, device=self.device)
-        table[self.env.rank] = torch.tensor(row, dtype=torch.float64)
-        if self.env.world_size > 1:
-            dist.all_reduce(table)
-        return table.cpu().tolist()
-
-    def _on_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self._values:
-            loss = self._values.corrupt_loss(loss, step=self.ctx.step, data_rank=self.ctx.data_rank)
-        self._measured[0] = loss.detach()
-        return loss
-
-    def _before_all_reduce(self) -> None:
-        if not self._values and self._rerun is None:
-            return
-        grads = [p.grad for p in self._averager.params if p.grad is not None]
-        if self._values:
-            self._values.corrupt_grads(grads, step=self.ctx.step)
-        if self._rerun is not None and grads:
-            self._measured[1] = torch.nn.utils.get_total_norm(grads)  # local: before the all-reduce mixes ranks
-
-    def _local_state_dict(self) -> dict[str, Any]:
-        sd = self.state.local_state_dict()
-        if self._rerun is not None:
-            sd["rerun"] = json.dumps(self._rerun.state_dict())
-        return sd
-
-    def _load_rerun(self, local: dict[str, Any], *, replacement: bool) -> None:
-        if self._rerun is None or "rerun" not in local:
-            return
-        record = None
-        if replacement and self.store.check([RECORD_KEY]):
-            record = json.loads(self.store.get(RECORD_KEY))
-        self._rerun.load_state_dict(json.loads(local["rerun"]), record=record, keep_record=not replacement)
-
-    def _save_for_stop(self, step: int) -> str | None:
-        """Rank 0 writes the state of ``step`` (the last good one) to the run dir; the others wait for it."""
-        key = f"rt/gen/{self.generation}/rerun/saved"
-        if self.env.rank == 0:
-            path = ""
-            if self.run_dir is not None:
-                from checkpointing import write_state
-
-                locals_ = {}
-                for r in range(self.env.world_size):
-                    head, payload = self.store.get(Keys.local_state(r, step % 2)).split(b"\n", 1)
-                    assert int(head) == step, f"rank {r} published step {int(head)}, expected {step}"
-                    locals_[r] = decode_local(payload)
-                path = str(self.run_dir / f"rerun-stop-step-{step}")
-                write_state(path, self.state.state_dict(local_states=locals_), step=step,
-                            extras={"world_size": self.env.world_size})
-            self.store.set(key, path)
-            return path or None
-        wait_until(lambda: self.store.check([key]), timeout=self.config.rerun.stop_timeout_s, what="the saved state")
-        return self.store.get(key).decode() or None
-
     def _announce_fault(self, fault: Fault) -> None:
         self.events.emit(
             "fault_injected", rank=self.env.rank, pid=os.getpid(), kind=fault.kind.value, phase=fault.phase.value,
@@ -581,10 +481,6 @@ class Supervisor:
                     # NCCL can be aborted from another thread; gloo cannot, and
                     # relies on the dead peer's closed sockets.
                     dist.distributed_c10d._abort_process_group()
-
-
-def _exit(code: int) -> NoReturn:
-    raise SystemExit(code)
 
 
 def _as_float(x: Any) -> float | None:
