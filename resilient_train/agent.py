@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from monitors import EventLog, MonitorConfig, NodeMonitor
 from resilient_train import env as E
+from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
 from resilient_train.spare import SPARE_READY_FD
 from resilient_train.store import Keys, attempt_store, current_generation, declare_fault
 
@@ -111,6 +112,7 @@ class Agent:
         self.workers: dict[int, _Worker] = {}
         self.restarts = 0
         self._spare: subprocess.Popen | None = None
+        self._stop_code: int | None = None  # a worker asked the whole job to stop with this code
 
     def _check_run_dir(self) -> None:
         try:
@@ -210,6 +212,10 @@ class Agent:
             while True:
                 self._poll_workers()
                 self._poll_monitor()
+                if self._stop_code is not None:
+                    self.events.emit("agent_end", ok=False, reason="the rerun policy stopped the job",
+                                     exit_code=self._stop_code, restarts=self.restarts)
+                    return self._stop_code
                 if all(w.state is WorkerState.SUCCEEDED for w in self.workers.values()):
                     self.events.emit("agent_end", ok=True, restarts=self.restarts)
                     return 0
@@ -231,6 +237,11 @@ class Agent:
                 w.state = WorkerState.SUCCEEDED
                 continue
             w.state = WorkerState.FAILED
+            if rc == EXIT_VALIDATION_FAILED:
+                # The rerun policy stopped the job after saving the last good state: not a rank to replace.
+                self.events.emit("worker_stopped_job", rank=w.rank, exit_code=rc)
+                self._stop_code = rc
+                continue
             self._on_death(w, rc)
 
     def _poll_monitor(self) -> None:
