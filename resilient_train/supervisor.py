@@ -321,6 +321,7 @@ class Supervisor(RerunSupport):
         while state.step < self.config.steps:
             ctx.step = state.step
             out = self._compute(step_fn, state.step, self.env.rank)
+            self._settle_step()
             if self._rerun is not None:
                 self._after_step(step_fn, out)  # may re-run the step, roll it back (skip), or stop
             state.step += 1
@@ -331,6 +332,20 @@ class Supervisor(RerunSupport):
             if self.env.rank == 0:
                 self.events.emit("step_done", step=state.step, loss=_as_float(out), generation=self.generation)
             ctx.enter(Phase.BETWEEN_STEPS)
+
+    def _settle_step(self) -> None:
+        """Makes sure the step really completed before it becomes a snapshot.
+
+        CUDA work is asynchronous: without this, a rank whose all-reduce is
+        stuck on a dead peer would run ahead and snapshot steps computed from
+        an aborted collective. After the stream drains, a generation declared
+        failed meanwhile means the step's result cannot be trusted (the watcher
+        marks the generation before it aborts NCCL).
+        """
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            if self._generation_moved.is_set():
+                raise GenerationFailed(f"generation {self.generation} failed while step {self.ctx.step} ran")
 
     def _snapshot(self) -> None:
         state = self.state
