@@ -22,12 +22,24 @@ from chaos.faults import Phase
 __all__ = ["MatrixConfig", "MatrixResult", "run_matrix"]
 
 _EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
-SMALL_GPT = ("--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--log-every", "0")
+# Results are validated (the rerun state machine is on) so value faults are judged; every job shares one reference.
+SMALL_GPT = ("--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--log-every", "0",
+             "--rerun-mode", "validate_results")
 # Kinds the runtime cannot survive yet stay out of the default matrix (see the README's chaos section).
 UNSUPPORTED: tuple[str, ...] = (CORRUPT_CKPT,)
 _DURATIONS = {"slow": 1.0, "store-outage": 1.5}
 # A genuine loss spike is skipped by policy: the state cannot equal a run without it. Its own job, no bitwise check.
 NOT_BITWISE: frozenset[str] = frozenset({"spike"})
+# The quick matrix's phase per kind. A hang "at" the optimizer phase reads, to the hang detector, as a
+# rank still in the all-reduce, beside peers waiting in the next one (see the README's chaos section).
+QUICK_PHASES = {"kill": "optimizer", "raise": "forward", "hang": "backward", "spin": "all-reduce", "block": "data",
+                "slow": "between-steps", "term": "heal", "netbreak": "all-reduce", "nan": "forward",
+                "bitflip": "backward", "spike": "forward"}
+
+
+def _family(kind: str) -> int:
+    """Cells of one family share jobs: 0 compared bitwise, 1 not."""
+    return 1 if kind in NOT_BITWISE else 0
 
 
 def _default_kinds() -> tuple[str, ...]:
@@ -68,8 +80,8 @@ class MatrixConfig:
     def cells(self) -> list[tuple[str, str]]:
         """(kind, phase) pairs; driver kinds have the phase '-'."""
         if self.quick:
-            step_phases = list(self.phases)
-            return [(k, "-" if k in DRIVER_KINDS else step_phases[i % len(step_phases)]) for i, k in enumerate(self.kinds)]
+            return [(k, "-" if k in DRIVER_KINDS else QUICK_PHASES.get(k, self.phases[i % len(self.phases)]))
+                    for i, k in enumerate(self.kinds)]
         return [(k, "-") if k in DRIVER_KINDS else (k, p) for k in self.kinds for p in self.phases
                 if not (k in DRIVER_KINDS and p != self.phases[0])]
 
@@ -95,11 +107,13 @@ class MatrixResult:
 
 def _pack(config: MatrixConfig) -> list[list[tuple[str, str]]]:
     groups = []
-    for part in ([c for c in config.cells() if c[0] not in NOT_BITWISE], [c for c in config.cells() if c[0] in NOT_BITWISE]):
+    per_job = max(len(config.cells()), 1) if config.quick else config.faults_per_job
+    for fam in (0, 1):
+        part = [c for c in config.cells() if _family(c[0]) == fam]
         order = {c: i for i, c in enumerate(part)}
         # Within a job, a fault in 'heal' fires at the first recovery: keep it behind a fault that causes one.
-        part.sort(key=lambda c: (order[c] // config.faults_per_job, c[1] == "heal"))
-        groups += [part[i:i + config.faults_per_job] for i in range(0, len(part), config.faults_per_job)]
+        part.sort(key=lambda c: (order[c] // per_job, c[1] == "heal"))
+        groups += [part[i:i + per_job] for i in range(0, len(part), per_job)]
     return groups
 
 
@@ -110,9 +124,7 @@ def _scenario(config: MatrixConfig, n: int, group: list[tuple[str, str]], steps:
         faults.append(PlannedFault(kind=kind, ranks=(j % config.ranks,), phase=None if phase == "-" else phase,
                                    step=step, duration_s=_DURATIONS.get(kind)))
     job = JobSpec(script=config.script, args=config.args, ranks=config.ranks, steps=steps, monitor=config.monitor)
-    inv = config.invariants
-    if any(k in NOT_BITWISE for k, _ in group):
-        inv = dataclasses.replace(inv, bitwise=False)
+    inv = config.invariants if _family(group[0][0]) == 0 else dataclasses.replace(config.invariants, bitwise=False)
     return Scenario(name=f"matrix-{n:02d}", job=job, schedule=FixedSchedule(faults=tuple(faults)),
                     invariants=inv, timeout_s=config.timeout_s,
                     description=f"chaos matrix job {n}: " + ", ".join(f"{k}@{p}" for k, p in group))
@@ -122,7 +134,7 @@ def run_matrix(config: MatrixConfig, *, out_dir: str | Path, cache_dir: str | Pa
                echo: bool = True) -> MatrixResult:
     out = Path(out_dir)
     groups = _pack(config)
-    steps = config.warmup_steps + config.faults_per_job * config.steps_per_fault + config.steps_per_fault
+    steps = config.warmup_steps + max(len(g) for g in groups) * config.steps_per_fault + config.steps_per_fault
     cells: dict[tuple[str, str], tuple[bool, str]] = {}
     jobs = []
     for n, group in enumerate(groups):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -43,15 +44,23 @@ def job_hash(job: JobSpec) -> str:
     h = hashlib.sha256()
     h.update(Path(job.script).read_bytes())
     h.update(json.dumps({"argv": job.argv()[1:], "ranks": job.ranks, "env": sorted(job.env.items())}).encode())
+    h.update(_runtime_digest().encode())
+    return h.hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime_digest() -> str:
+    """torch's version and the runtime's code, read once per process: a matrix shares one reference
+    even while its code is being edited."""
     import torch
 
-    h.update(torch.__version__.encode())
+    h = hashlib.sha256(torch.__version__.encode())
     for name in _RUNTIME_PACKAGES:
         spec = importlib.util.find_spec(name)
         for loc in (spec.submodule_search_locations or []) if spec else []:
             for f in sorted(Path(loc).rglob("*.py")):
                 h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()[:20]
+    return h.hexdigest()
 
 
 def ensure_reference(job: JobSpec, cache_dir: Path, *, timeout_s: float, use_cache: bool = True) -> Reference:

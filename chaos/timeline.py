@@ -111,17 +111,21 @@ def _follow(tl: FaultTimeline, f: PlannedFault, events: list[dict[str, Any]], en
         if nxt is not None and nxt["event"] == "step_done":  # re-run in place (or skipped): no new generation
             tl.recovered, tl.steps_redone = nxt["time"], 0
             return
-    later = [e for e in events if e["event"] == "recovery_done" and e["time"] >= tl.detected]
-    if later:
-        g = min(e["generation"] for e in later)
-        same = [e for e in later if e["generation"] == g]
-        tl.steps_redone = max(int(e.get("steps_redone", 0)) for e in same)
-        tl.recovered = _first_time(
-            events, lambda e: (e["event"] == "step_done" and e.get("generation", -1) >= g) or e["event"] == "final_state_written",
-            after=max(e["time"] for e in same),
-        )
-    else:  # the run ended without another generation (a fault at the very end)
+    # Recovered: training again in a later generation than the one the fault hit (in process, with a
+    # replacement, or from disk alike), or the final state when the fault hit the very end.
+    before = [e for e in events if e["event"] == "step_done" and e["time"] < t0]
+    g0 = before[-1].get("generation", -1) if before else -1
+    nxt = next((e for e in events if e["event"] == "step_done" and e["time"] >= tl.detected
+                and e.get("generation", -1) > g0), None)
+    if nxt is None:
         tl.recovered = _first_time(events, lambda e: e["event"] == "final_state_written", after=tl.detected)
+        return
+    tl.recovered = nxt["time"]
+    g = nxt.get("generation")
+    redone = [int(e.get("steps_redone", 0)) for e in events if e["event"] == "recovery_done" and e.get("generation") == g]
+    redone += [max(0, (tl.step or 0) - int(e["step"])) for e in events
+               if e["event"] == "resumed_from_disk" and e.get("generation") == g]
+    tl.steps_redone = max(redone) if redone else 0
 
 
 def _first_time(events: list[dict[str, Any]], pred: Any, after: float = float("-inf")) -> float | None:
