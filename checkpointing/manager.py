@@ -166,8 +166,13 @@ class CheckpointManager:
             return None
         return handle.wait(self.config.timeout_s if timeout is None else timeout)
 
-    def latest_step(self) -> int | None:
-        """The newest step with a valid manifest (files not checksummed; ``load`` does that)."""
+    def latest_step(self, *, verify: bool = False) -> int | None:
+        """The newest step with a valid manifest; with ``verify``, also with every file's checksum."""
+        if verify:
+            for entry, result in iter_valid(self.root, run_id=self.config.run_id):
+                if not isinstance(result, CheckpointError):
+                    return entry.step
+            return None
         for entry in reversed(list_steps(self.root)):
             try:
                 if Manifest.read(entry.path).step == entry.step:

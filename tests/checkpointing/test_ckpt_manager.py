@@ -79,6 +79,7 @@ def test_load_falls_back_past_corrupt_and_foreign_checkpoints(tmp_path: Path) ->
     shard.write_bytes(bytes(data))
     write_state(root / "step-2", make_state(2), step=2, run_id="run-b")
     with CheckpointManager(config, events=events) as mgr:
+        assert mgr.latest_step() == 3 and mgr.latest_step(verify=True) == 1
         state, manifest = mgr.load()
     assert manifest.step == 1 and diff_states(state, make_state(1)) is None
     invalid = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint_invalid"]
