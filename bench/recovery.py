@@ -34,8 +34,13 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _next_step_after(events: list[dict], t: float) -> dict:
-    return next(e for e in events if e["event"] == "step_done" and e["time"] > t)
+def _next_step_after(events: list[dict], t: float, step: int) -> dict:
+    """The first completion of the step the fault interrupted (or a later one).
+
+    A peer may still be finishing the step before it when the fault lands: that
+    completion does not count.
+    """
+    return next(e for e in events if e["event"] == "step_done" and e["time"] > t and e["step"] > step)
 
 
 def run_ours(work: Path, args: argparse.Namespace) -> tuple[float, int]:
@@ -47,7 +52,7 @@ def run_ours(work: Path, args: argparse.Namespace) -> tuple[float, int]:
     subprocess.run(cmd, check=True, capture_output=True, timeout=600, cwd=REPO)
     events = _events(run_dir / "events.jsonl")
     fault_t = next(e["time"] for e in events if e["event"] == "fault_injected")
-    nxt = _next_step_after(events, fault_t)
+    nxt = _next_step_after(events, fault_t, args.kill_step)
     redone = max(e["steps_redone"] for e in events if e["event"] == "recovery_done")
     return nxt["time"] - fault_t, redone
 
@@ -65,7 +70,7 @@ def run_torchrun(work: Path, args: argparse.Namespace) -> tuple[float, int]:
     resumed = next(e for e in events if e["event"] == "resumed" and e["attempt"] > 0)
     # The next completed step is the first one past the fault's step: the
     # steps torchrun redoes from its checkpoint come first.
-    nxt = next(e for e in events if e["event"] == "step_done" and e["time"] > fault_t and e["step"] > args.kill_step)
+    nxt = _next_step_after(events, fault_t, args.kill_step)
     return nxt["time"] - fault_t, args.kill_step - resumed["step"]
 
 

@@ -80,7 +80,8 @@ def summarize_recoveries(run_dir: Path) -> list[str]:
     injected = [e for e in events if e["event"] == "fault_injected"]
     steps_done = [e for e in events if e["event"] == "step_done"]
     for f in injected:
-        next_step = next((s for s in steps_done if s["time"] > f["time"]), None)
+        # The interrupted step's own completion (a peer may finish the step before it after the fault).
+        next_step = next((s for s in steps_done if s["time"] > f["time"] and s["step"] > f["step"]), None)
         done = [e for e in events if e["event"] == "recovery_done" and e["time"] > f["time"]]
         gen = done[0]["generation"] if done else None
         ranks = [e for e in done if e["generation"] == gen]
