@@ -176,6 +176,8 @@ class Supervisor(RerunSupport):
         if self.config.deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = state
+        if self._rerun is not None:
+            state.runtime["rerun"] = self._rerun.stateful()  # in snapshots, published local state, checkpoints
         self._averager = GradientAverager(state.model.parameters())
         self.ctx = StepContext(self)
         self.store.set(Keys.supervised(self.env.rank), str(os.getpid()))
@@ -349,7 +351,7 @@ class Supervisor(RerunSupport):
 
     def _snapshot(self) -> None:
         state = self.state
-        local = encode_local(self._local_state_dict())
+        local = encode_local(state.local_state_dict())
         self._ring.capture(state.step, state.replicated_state_dict(), local)
         self.store.set(Keys.local_state(self.env.rank, state.step % 2), f"{state.step}\n".encode() + local)
 

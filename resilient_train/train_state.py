@@ -87,6 +87,8 @@ class TrainState:
         self.optimizer = optimizer
         self.extra = extra
         self.step = step
+        # Per-rank state the runtime keeps for itself (the rerun machine): saved and restored beside the user's.
+        self.runtime: dict[str, Stateful] = {}
 
     def replicated_state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"model": self.model.state_dict()}
@@ -103,6 +105,8 @@ class TrainState:
         sd: dict[str, Any] = {"step": self.step, "rng": capture_rng()}
         if self.extra is not None:
             sd["extra"] = self.extra.state_dict()
+        for name, obj in self.runtime.items():
+            sd[name] = obj.state_dict()
         return sd
 
     def load_local(self, sd: dict[str, Any]) -> None:
@@ -110,6 +114,9 @@ class TrainState:
         restore_rng(sd["rng"])
         if self.extra is not None and "extra" in sd:
             self.extra.load_state_dict(sd["extra"])
+        for name, obj in self.runtime.items():
+            if name in sd:
+                obj.load_state_dict(sd[name])
 
     def state_dict(self, *, local_states: dict[int, dict[str, Any]]) -> dict[str, Any]:
         """The whole job's state: replicated once, each rank's local state by rank."""

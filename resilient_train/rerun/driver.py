@@ -187,12 +187,15 @@ class RerunDriver:
     def state_dict(self) -> dict[str, Any]:
         return self.machine.state_dict()
 
-    def load_state_dict(self, sd: dict[str, Any], *, record: dict[str, Any] | None = None,
-                        keep_record: bool = True) -> None:
-        """Survivors keep their own record (``keep_record``); a replacement takes ``record`` (the newest published)."""
-        self.machine.load_state_dict(sd, record=not keep_record)
-        if record is not None and not keep_record:
-            self.machine.load_record(record)
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.machine.load_state_dict(sd)
+
+    def adopt_record(self, record: dict[str, Any]) -> None:
+        """The newest published record (a replacement's predecessor may have been excluded after its last snapshot)."""
+        self.machine.load_record(record)
+
+    def stateful(self) -> "RerunStateful":
+        return RerunStateful(self)
 
     def summary(self) -> dict[str, Any]:
         return {"mode": self.config.mode.value, **self.machine.record_dict()}
@@ -205,3 +208,16 @@ def _row_values(r: StepResult) -> list[float]:
 def _result(row: list[float]) -> StepResult:
     """A StepResult from a table row ``[code, loss, grad_norm, has_grad_norm, ...]``."""
     return StepResult(loss=row[1], grad_norm=row[2] if row[3] else None)
+
+
+class RerunStateful:
+    """The machine as a :class:`~resilient_train.train_state.Stateful` of the rank-local state: one JSON string."""
+
+    def __init__(self, driver: RerunDriver) -> None:
+        self._driver = driver
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"machine": json.dumps(self._driver.state_dict())}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._driver.load_state_dict(json.loads(sd["machine"]))

@@ -84,6 +84,7 @@ class RerunMachine:
             "determinism_checks": 0, "determinism_mismatches": 0,
         }
         self.suspects: list[int] = []  # ranks classified persistent, oldest first
+        self.version = 0  # grows with every change of the record: a newer record is never replaced by an older one
         self.decisions: deque[dict[str, Any]] = deque(maxlen=_KEEP_DECISIONS)
 
     def to(self, new: RerunState) -> None:
@@ -98,6 +99,7 @@ class RerunMachine:
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
+        self.version += 1
 
     def classify(self, classification: Classification, record: dict[str, Any]) -> None:
         """Remembers one suspect's classification (the driver moves the state once per step)."""
@@ -108,9 +110,14 @@ class RerunMachine:
 
     # ------------------------------------------------------------- state
     def record_dict(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters), "suspects": list(self.suspects), "decisions": list(self.decisions)}
+        return {"version": self.version, "counters": dict(self.counters), "suspects": list(self.suspects),
+                "decisions": list(self.decisions)}
 
     def load_record(self, rec: dict[str, Any]) -> None:
+        """Takes ``rec`` unless this machine's own record is as new or newer."""
+        if int(rec.get("version", 0)) <= self.version:
+            return
+        self.version = int(rec["version"])
         self.counters.update({str(k): int(v) for k, v in rec.get("counters", {}).items()})
         self.suspects = [int(r) for r in rec.get("suspects", [])]
         self.decisions.clear()
@@ -119,11 +126,12 @@ class RerunMachine:
     def state_dict(self) -> dict[str, Any]:
         return {"state": self.state.value, "validators": self.validators.state_dict(), "record": self.record_dict()}
 
-    def load_state_dict(self, sd: dict[str, Any], *, record: bool = True) -> None:
-        """Restores the validators; the record too unless ``record`` is False (a survivor keeps its own)."""
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restores the validators (they belong to the step boundary) and the record when it is newer.
+
+        A survivor rolled back to an older step keeps its own, newer record; a
+        replacement or a job restarted from disk takes the saved one. The flow
+        state is not restored: a snapshot is taken where the flow is over.
+        """
         self.validators.load_state_dict(sd["validators"])
-        if record:
-            self.load_record(sd["record"])
-        state = RerunState(sd.get("state", "healthy"))
-        # A snapshot is taken at a step boundary, where the flow is over.
-        self.state = RerunState.STOPPED if state is RerunState.STOPPED else RerunState.HEALTHY
+        self.load_record(sd["record"])

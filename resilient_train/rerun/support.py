@@ -74,7 +74,9 @@ class RerunSupport:
         if as_rank is not None and as_rank != self.env.rank:
             head, local = self.store.get(Keys.local_state(as_rank, step % 2)).split(b"\n", 1)
             assert int(head) == step, (int(head), step)
-        self.state.load_local(decode_local(local))
+        sd = decode_local(local)
+        sd.pop("rerun", None)  # the machine is mid-flow: its own state stays
+        self.state.load_local(sd)
 
     def _exchange(self, row: list[float]) -> list[list[float]]:
         """Every rank's ``row``, to every rank: one all-reduce of a table with a row per rank."""
@@ -99,19 +101,11 @@ class RerunSupport:
         if self._rerun is not None and grads:
             self._measured[1] = torch.nn.utils.get_total_norm(grads)  # local: before the all-reduce mixes ranks
 
-    def _local_state_dict(self) -> dict[str, Any]:
-        sd = self.state.local_state_dict()
-        if self._rerun is not None:
-            sd["rerun"] = json.dumps(self._rerun.state_dict())
-        return sd
-
     def _load_rerun(self, local: dict[str, Any], *, replacement: bool) -> None:
-        if self._rerun is None or "rerun" not in local:
+        """A replacement adopts the newest decision record (``local`` itself was loaded by ``load_local``)."""
+        if self._rerun is None or not replacement or not self.store.check([RECORD_KEY]):
             return
-        record = None
-        if replacement and self.store.check([RECORD_KEY]):
-            record = json.loads(self.store.get(RECORD_KEY))
-        self._rerun.load_state_dict(json.loads(local["rerun"]), record=record, keep_record=not replacement)
+        self._rerun.adopt_record(json.loads(self.store.get(RECORD_KEY)))
 
     def _save_for_stop(self, step: int) -> str | None:
         """Rank 0 writes the state of ``step`` (the last good one) to the run dir; the others wait for it."""

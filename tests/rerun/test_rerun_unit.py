@@ -73,13 +73,15 @@ def test_machine_state_is_json_and_restores():
     m.classify(Classification.PERSISTENT, {"rank": 2, "step": 8})
     sd = json.loads(json.dumps(m.state_dict()))
     fresh = RerunMachine(ValidatorSet(min_history=1))
-    fresh.load_state_dict(sd)
+    fresh.load_state_dict(sd)  # a replacement, or a job restarted from a checkpoint
     assert fresh.suspects == [2] and fresh.counters["persistent"] == 1
     assert list(fresh.validators.loss_history.values) == [2.0]
-    survivor = RerunMachine(ValidatorSet(min_history=1))
-    survivor.classify(Classification.TRANSIENT, {"rank": 1, "step": 3})
-    survivor.load_state_dict(sd, record=False)  # a survivor rolls its validators back, keeps its record
-    assert survivor.counters["transient"] == 1 and survivor.suspects == []
+    # A survivor rolled back to this snapshot after deciding more: its validators roll back, its record does not.
+    m.classify(Classification.TRANSIENT, {"rank": 1, "step": 9})
+    m.validators.commit(StepResult(3.0, 1.0))
+    m.load_state_dict(sd)
+    assert list(m.validators.loss_history.values) == [2.0]
+    assert m.counters["transient"] == 1 and m.suspects == [2]
 
 
 @pytest.mark.timeout(10)
@@ -162,3 +164,24 @@ def test_driver_transient_persistent_genuine():
         d.after_step(7, GOOD, lambda as_rank: spike if as_rank == 1 else GOOD)
     assert w.exits == [17] and d.machine.state is RerunState.STOPPED
     assert [e for e in ev if e["event"] == "rerun_stop"][0]["saved"] == "saved"
+
+
+@pytest.mark.timeout(10)
+def test_machine_travels_in_the_rank_local_state():
+    """Registered in TrainState.runtime, the machine is in every snapshot, published local state and checkpoint."""
+    import torch
+
+    from resilient_train.train_state import TrainState, decode_local, encode_local
+
+    w = _World([], [])
+    d, _ = _driver(w)
+    d.machine.classify(Classification.GENUINE, {"rank": 1, "step": 3})
+    state = TrainState(model=torch.nn.Linear(2, 2))
+    state.runtime["rerun"] = d.stateful()
+    blob = encode_local(state.local_state_dict())
+    d2, _ = _driver(_World([], []))
+    other = TrainState(model=torch.nn.Linear(2, 2))
+    other.runtime["rerun"] = d2.stateful()
+    other.load_local(decode_local(blob))
+    assert d2.machine.counters["genuine"] == 1
+    assert list(d2.machine.validators.loss_history.values) == list(d.machine.validators.loss_history.values)
