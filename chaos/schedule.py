@@ -78,8 +78,9 @@ class PlannedFault:
 
     def label(self) -> str:
         where = f"step {self.step}" if self.step is not None else (f"t+{self.at_s:g}s" if self.at_s is not None else "first")
-        ranks = ",".join(map(str, self.ranks))
-        return f"{self.kind} rank {ranks} {self.phase or '-'} {where}"
+        if self.driver:
+            return f"{self.kind} {where}"
+        return f"{self.kind} rank {','.join(map(str, self.ranks))} {self.phase} {where}"
 
     def to_faults(self, *, launch_time: float) -> list[Fault]:
         """The runtime's records (one per rank); empty for driver kinds."""

@@ -12,6 +12,8 @@ from chaos.schedule import PlannedFault
 __all__ = ["FaultTimeline", "Progress", "build_timelines", "progress"]
 
 _DETECTIONS = ("fault_detected", "hang_detected", "rerun_rejected")
+# Kinds that only a particular event detects (a corrupt checkpoint: when a load verifies it).
+_DETECTED_BY = {"corrupt-ckpt": ("checkpoint_invalid",)}
 _VALUE_KINDS = ("nan", "bitflip", "spike")  # judged by the rerun state machine, mostly without a new generation
 
 
@@ -101,7 +103,8 @@ def _follow(tl: FaultTimeline, f: PlannedFault, events: list[dict[str, Any]], en
         resume = end if end is not None else t0
         tl.recovered = _first_time(events, lambda e: e["event"] in ("step_done", "final_state_written") and e["time"] >= resume)
         return
-    det = next((e for e in events if e["time"] >= t0 and e["event"] in _DETECTIONS), None)
+    names = _DETECTED_BY.get(f.kind, _DETECTIONS)
+    det = next((e for e in events if e["time"] >= t0 and e["event"] in names), None)
     if det is None:
         return
     tl.detected, tl.detected_by = det["time"], f"{det.get('source', '?')} ({det['event']})"
@@ -162,8 +165,11 @@ def progress(events: list[dict[str, Any]], launch: float) -> Progress:
     median = statistics.median(durations.values()) if durations else 0.0
     final_steps = {e["step"] for e in done}
     productive = sum(durations.get(s, median) for s in final_steps)
-    end = next((e["time"] for e in events if e["event"] == "final_state_written"), done[-1]["time"])
+    final = next((e["time"] for e in events if e["event"] == "final_state_written"), None)
+    end = final if final is not None else max(e["time"] for e in events)
     window = end - done[0]["time"] + durations.get(done[0]["step"], median)
+    if final is None:
+        productive = 0.0  # a run that never finished produced nothing
     return Progress(
         steps=[(round(e["time"] - launch, 4), int(e["step"])) for e in done],
         productive_s=productive, window_s=window, goodput=productive / window if window > 0 else 0.0,
