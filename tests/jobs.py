@@ -42,9 +42,9 @@ def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> 
 
 def run_gpt(
     run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, Any]] | None = None,
-    extra: list[str] | None = None, timeout: float = 150,
+    extra: list[str] | None = None, timeout: float = 150, agent_args: list[str] | None = None,
 ) -> Job:
-    args = ["run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir)]
+    args = ["run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir), *(agent_args or [])]
     if faults:
         args += ["--chaos", json.dumps(faults)]
     args += [str(GPT), "--steps", str(steps), *SMALL_GPT, *(extra or [])]

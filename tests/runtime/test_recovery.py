@@ -7,7 +7,7 @@ import pytest
 from jobs import ckpt_diff, run_gpt, survivors_kept_pids
 
 PHASES = ["data", "forward", "backward", "all-reduce", "optimizer", "between-steps"]
-STEPS = 12
+STEPS = 2 + 4 * len(PHASES) + 2  # one shared fault-free reference per world size
 
 
 def _assert_recovered(job, reference, *, killed: set[int], faults: int) -> None:
@@ -19,20 +19,26 @@ def _assert_recovered(job, reference, *, killed: set[int], faults: int) -> None:
     assert d.returncode == 0, f"final state differs from the fault-free run: {d.stdout}{d.stderr}"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize("phase", PHASES)
-def test_sigkill_rank0_then_last_rank(tmp_path, references, nproc, phase):
-    """SIGKILL of rank 0, then of the highest rank, both in ``phase``."""
+def test_sigkill_rank0_and_last_rank_at_every_phase(tmp_path, references, nproc):
+    """Twelve SIGKILLs in one run: rank 0 and the highest rank, at each phase in turn."""
     last = nproc - 1
-    faults = [
-        {"kind": "kill", "rank": 0, "step": 3, "phase": phase},
-        {"kind": "kill", "rank": last, "step": 8, "phase": phase},
-    ]
-    job = run_gpt(tmp_path / "run", nproc=nproc, steps=STEPS, faults=faults)
-    _assert_recovered(job, references.get(nproc, STEPS), killed={0, last}, faults=2)
-    respawned = [e["rank"] for e in job.of("worker_spawned") if e["replacement"]]
-    assert sorted(respawned) == [0, last]
+    faults = []
+    for i, phase in enumerate(PHASES):
+        faults.append({"kind": "kill", "rank": 0, "step": 2 + 4 * i, "phase": phase})
+        faults.append({"kind": "kill", "rank": last, "step": 4 + 4 * i, "phase": phase})
+    job = run_gpt(tmp_path / "run", nproc=nproc, steps=STEPS, faults=faults, timeout=400,
+                  agent_args=["--max-restarts", str(len(faults))])
+    _assert_recovered(job, references.get(nproc, STEPS), killed={0, last}, faults=len(faults))
+    respawned = sorted(e["rank"] for e in job.of("worker_spawned") if e["replacement"])
+    assert respawned == sorted([0, last] * len(PHASES))
+    injected = {(e["rank"], e["phase"]) for e in job.of("fault_injected")}
+    assert injected == {(r, p) for r in (0, last) for p in PHASES}
+    # No process but the killed ones was ever replaced.
+    starts = [e["rank"] for e in job.of("run_start")]
+    for rank in range(nproc):
+        assert starts.count(rank) == (1 + len(PHASES) if rank in (0, last) else 1), (rank, starts)
 
 
 @pytest.mark.timeout(240)

@@ -12,7 +12,7 @@ import pytest
 
 from jobs import GPT, REPO, SMALL_GPT, Job, ckpt_diff, survivors_kept_pids
 
-STEPS = 12
+STEPS = 16
 TORCHRUN = shutil.which("torchrun")
 
 
@@ -52,7 +52,7 @@ def test_dead_process_is_restarted_by_torchrun(tmp_path, references):
 
 @pytest.mark.timeout(240)
 def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path, references):
-    steps = 16
+    steps = STEPS
     faults = [{"kind": "kill", "rank": 0, "step": 14, "phase": "backward"}]
     job = _torchrun(tmp_path / "run", faults, max_restarts=1,
                     extra=["--steps", str(steps), "--ckpt-every", "4", "--ckpt-mode", "disabled"])
