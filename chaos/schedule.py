@@ -47,6 +47,8 @@ class PlannedFault:
     step: int | None = None  # None with at_s None: the first time the phase is reached
     at_s: float | None = None  # seconds after the job's launch
     duration_s: float | None = None
+    detect_timeout_s: float | None = None  # this fault's own limits (default: the scenario's invariants)
+    recover_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in all_kinds():
@@ -95,7 +97,7 @@ class PlannedFault:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "ranks": list(self.ranks)}
-        for name in ("phase", "step", "at_s", "duration_s"):
+        for name in ("phase", "step", "at_s", "duration_s", "detect_timeout_s", "recover_timeout_s"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
         return d

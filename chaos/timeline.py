@@ -31,6 +31,8 @@ class FaultTimeline:
     recovered: float | None = None  # every rank trained a step again (or the run finished)
     steps_redone: int | None = None
     step: int | None = None  # where it fired
+    detect_timeout_s: float | None = None  # the fault's own limits, when it has them
+    recover_timeout_s: float | None = None
 
     @property
     def detect_s(self) -> float | None:
@@ -61,7 +63,8 @@ def build_timelines(
     by_index = {d.index: d for d in fired}
     out = []
     for i, f in enumerate(plan):
-        tl = FaultTimeline(index=i, label=f.label(), kind=f.kind, tolerated=f.tolerated)
+        tl = FaultTimeline(index=i, label=f.label(), kind=f.kind, tolerated=f.tolerated,
+                           detect_timeout_s=f.detect_timeout_s, recover_timeout_s=f.recover_timeout_s)
         end = None
         if f.driver:
             d = by_index.get(i)
