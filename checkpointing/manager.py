@@ -159,6 +159,24 @@ class CheckpointManager:
             handle.wait(self.config.timeout_s)
         return handle
 
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Starts the writer and allocates the staging buffers for ``state``'s layout now,
+        so that the first save costs one copy like every later one (call it at start-up)."""
+        self._check_open()
+        previous = self._inflight
+        if previous is not None and not previous.phase.terminal:
+            previous.wait(self.config.timeout_s)
+        self._writer.start()
+        self._stager.prepare(self._split(state))
+
+    def _split(self, state: dict[str, Any]) -> dict[str, Any]:
+        local_keys = set(self.config.local_keys)
+        replicated = {k: v for k, v in state.items() if k not in local_keys}
+        local = {k: v for k, v in state.items() if k in local_keys}
+        tensors, _ = flatten_state(replicated) if self.rank == 0 else ({}, None)
+        tensors.update(flatten_state(local, prefix=local_prefix(self.rank))[0])
+        return tensors
+
     def wait(self, timeout: float | None = None) -> SavePhase | None:
         """Waits for the save in flight, if any; returns its final phase."""
         handle = self._inflight

@@ -47,6 +47,15 @@ class HostStager:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
+    def prepare(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Allocates (and faults in) the buffers for this layout ahead of the first save."""
+        layout = tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+        if layout != self._layout:
+            self._allocate(tensors)
+            self._layout = layout
+            for buf in self._buffers.values():
+                buf.zero_()
+
     def stage(
         self, tensors: dict[str, torch.Tensor], *, midway: Callable[[], None] | None = None
     ) -> torch.cuda.Event | None:

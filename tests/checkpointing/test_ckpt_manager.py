@@ -41,6 +41,7 @@ def test_async_saves_load_newest_and_retention(tmp_path: Path) -> None:
     config = CheckpointConfig(directory=root, keep_last=2, keep_every=3, local_keys=("rng",))
     with CheckpointManager(config, events=events) as mgr:
         writer_pids = set()
+        mgr.prepare(rank_state(0, 0))  # buffers and writer ready before the first save
         for step in range(1, 8):
             live = rank_state(step, 0)
             h = mgr.save(step, live, extras={"step": step})
