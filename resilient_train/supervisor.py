@@ -90,8 +90,7 @@ class StepContext:
     def average_gradients(self) -> None:
         """The data-parallel gradient all-reduce, as its own phase."""
         self.enter(Phase.ALL_REDUCE)
-        self._sup._before_all_reduce()
-        self._sup._averager()
+        self._sup._reduce_gradients()
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Reports the step's loss before ``backward``; use the tensor it returns (value faults apply here)."""

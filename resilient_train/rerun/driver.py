@@ -62,12 +62,31 @@ class RerunDriver:
         self.machine = RerunMachine(config.validators())
 
     # ------------------------------------------------------------ entry
-    def after_step(self, step: int, result: StepResult, recompute: Callable[[int], StepResult]) -> Outcome:
-        """Called after every step, before its snapshot; every rank calls it with the same ``step``."""
+    @property
+    def piggyback(self) -> bool:
+        """Whether the host may carry the verdict on its gradient all-reduce (see :meth:`precheck`)."""
+        return self.config.mode is RerunMode.VALIDATE_RESULTS
+
+    def precheck(self, result: StepResult) -> bool:
+        """This rank's verdict, before the gradient all-reduce: False means poison the gradients (somebody rejected)."""
+        return self.machine.validators.check(result).accepted
+
+    def after_step(self, step: int, result: StepResult, recompute: Callable[[int], StepResult], *,
+                   agreed_ok: bool | None = None) -> Outcome:
+        """Called after every step, before its snapshot; every rank calls it with the same ``step``.
+
+        ``agreed_ok`` True: the gradient all-reduce showed that no rank rejected
+        this step, so no table is exchanged. False or None: the table decides.
+        """
         try:
             if self.config.mode is RerunMode.REPORT_DETERMINISM_STATS:
                 if step % self.config.determinism_interval == 0:
                     self._determinism(step, result, recompute)
+                return Outcome.KEEP
+            if agreed_ok:
+                assert self.machine.validators.check(result).accepted, "a rejection must poison the all-reduce"
+                self.machine.count("steps_validated")
+                self.machine.validators.commit(result)
                 return Outcome.KEEP
             return self._validate(step, result, recompute)
         except BaseException:

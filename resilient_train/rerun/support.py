@@ -35,6 +35,7 @@ class RerunSupport:
 
     _rerun: RerunDriver | None
     _measured: list[torch.Tensor | None]
+    _agreed_ok: bool | None = None  # set by the gradient all-reduce: nobody rejected (True), somebody did (False)
 
     def _make_rerun(self) -> RerunDriver:
         hooks = RerunHooks(exchange=self._exchange, rewind=self._rewind, save=self._save_for_stop, exit=_exit,
@@ -46,6 +47,7 @@ class RerunSupport:
         """One computation of ``step`` with ``as_rank``'s data (the caller loaded that rank's local state)."""
         self.ctx.step, self.ctx.data_rank = step, as_rank
         self._measured = [None, None]
+        self._agreed_ok = None
         return step_fn(self.ctx)
 
     def _after_step(self, step_fn: StepFn, out: Any) -> None:
@@ -56,7 +58,7 @@ class RerunSupport:
             self._rewind(step, as_rank)
             return self._result(self._compute(step_fn, step, as_rank))
 
-        self._rerun.after_step(step, self._result(out), recompute)
+        self._rerun.after_step(step, self._result(out), recompute, agreed_ok=self._agreed_ok)
         self.ctx.data_rank = self.env.rank
 
     def _result(self, out: Any) -> StepResult:
@@ -92,14 +94,34 @@ class RerunSupport:
         self._measured[0] = loss.detach()
         return loss
 
-    def _before_all_reduce(self) -> None:
+    def _reduce_gradients(self) -> None:
+        """The gradient all-reduce, with value faults before it and, in validate mode, the verdict riding on it.
+
+        A rank that rejects its step poisons one gradient element with NaN
+        before the all-reduce; every rank then reads that element of the
+        averaged gradient and knows whether anybody rejected, so a healthy step
+        needs no collective of its own. (A rejected step is thrown away, so the
+        poison costs nothing; healthy steps are computed exactly as without
+        validation.)
+        """
+        self._agreed_ok = None
         if not self._values and self._rerun is None:
+            self._averager()
             return
         grads = [p.grad for p in self._averager.params if p.grad is not None]
         if self._values:
             self._values.corrupt_grads(grads, step=self.ctx.step)
+        signal = self._rerun is not None and self._rerun.piggyback and self._measured[0] is not None
         if self._rerun is not None and grads:
             self._measured[1] = torch.nn.utils.get_total_norm(grads)  # local: before the all-reduce mixes ranks
+        first = self._averager.params[0]
+        if signal and not self._rerun.precheck(self._result(None)):  # type: ignore[union-attr]
+            if first.grad is None:
+                first.grad = torch.zeros_like(first)
+            first.grad.view(-1)[0] = float("nan")
+        self._averager()
+        if signal:
+            self._agreed_ok = bool(torch.isfinite(first.grad.view(-1)[0]))  # type: ignore[union-attr]
 
     def _load_rerun(self, local: dict[str, Any], *, replacement: bool) -> None:
         """A replacement adopts the newest decision record (``local`` itself was loaded by ``load_local``)."""
