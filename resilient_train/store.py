@@ -8,13 +8,17 @@ generation left behind is ever read by the next one.
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-__all__ = ["Keys", "StoreTimeout", "attempt_store", "connect", "declare_fault", "read_fault", "current_generation", "wait_until"]
+from resilient_train import env as E
+from resilient_train.env import WorkerEnv
+
+__all__ = ["Keys", "StoreTimeout", "attempt_store", "connect_worker_store", "declare_fault", "read_fault", "current_generation", "wait_until"]
 
 
 class StoreTimeout(TimeoutError):
@@ -60,14 +64,27 @@ class Keys:
         return f"rt/chaos/fired/{index}"
 
 
-def connect(host: str, port: int, *, timeout: timedelta = timedelta(seconds=60)) -> dist.TCPStore:
-    """A client of the store that the agent (or torchrun's rank 0) hosts."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-
-
 def attempt_store(store: dist.Store, attempt: int) -> dist.Store:
     """The keys of one launcher attempt (torchrun's restart count)."""
     return dist.PrefixStore(f"attempt/{attempt}", store)
+
+
+def connect_worker_store(env: WorkerEnv, *, timeout: timedelta) -> dist.Store:
+    """The store a worker coordinates through, wherever it was launched."""
+    if env.under_agent or os.environ.get(E.TORCHELASTIC_USE_AGENT_STORE) == "True":
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+    elif E.MASTER_PORT not in os.environ:
+        # Alone, with no launcher: an in-process store.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
+    else:
+        # Plain torchrun with its own store disabled: rank 0 hosts, as env:// would.
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, world_size=env.world_size, is_master=env.rank == 0,
+            timeout=timeout, wait_for_workers=False,
+        )
+    # A launcher that restarts every worker (torchrun) may keep its store:
+    # each attempt gets its own keys.
+    return attempt_store(store, int(os.environ.get(E.TORCHELASTIC_RESTART_COUNT, "0")))
 
 
 def current_generation(store: dist.Store) -> int:

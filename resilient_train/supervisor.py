@@ -34,8 +34,9 @@ from resilient_train.lifecycle import Lifecycle, SupervisorState
 from resilient_train.rerun import RerunConfig
 from resilient_train.rerun.support import RerunSupport
 from resilient_train.snapshot import SnapshotRing
-from resilient_train.store import Keys, attempt_store, current_generation, declare_fault, read_fault, wait_until
+from resilient_train.store import Keys, connect_worker_store, declare_fault, read_fault, wait_until
 from resilient_train.train_state import TrainState, decode_local, encode_local
+from resilient_train.watch import GenerationWatcher
 
 __all__ = ["GenerationFailed", "RunFinished", "StepContext", "Supervisor", "SupervisorConfig"]
 
@@ -116,11 +117,9 @@ class Supervisor(RerunSupport):
         self.events = EventLog(self.run_dir / "events.jsonl" if self.run_dir else None, source=f"rank{self.env.rank}")
         # Written by the main thread only, at every phase change: the agent's hang detector reads it.
         self.progress = ProgressReporter(self.run_dir, self.env.rank) if self.run_dir else None
-        self.store = self._connect_store()
+        self.store = connect_worker_store(self.env, timeout=timedelta(seconds=config.join_timeout_s))
         self._ring = SnapshotRing(2)
-        self._generation_moved = threading.Event()
-        self._stop_watch = threading.Event()
-        self._watcher: threading.Thread | None = None
+        self._watcher: GenerationWatcher | None = None
         self._injector = Injector(
             loads_faults(os.environ.get(envvars.RT_CHAOS, "")),
             rank=self.env.rank,
@@ -147,24 +146,6 @@ class Supervisor(RerunSupport):
             return "nccl" if torch.cuda.is_available() else "gloo"
         return self.config.backend
 
-    def _connect_store(self) -> dist.Store:
-        env = self.env
-        timeout = timedelta(seconds=self.config.join_timeout_s)
-        if env.under_agent or os.environ.get(envvars.TORCHELASTIC_USE_AGENT_STORE) == "True":
-            store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
-        elif envvars.MASTER_PORT not in os.environ:
-            # Alone, with no launcher: an in-process store.
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
-        else:
-            # Plain torchrun with its own store disabled: rank 0 hosts, as env:// would.
-            store = dist.TCPStore(
-                env.master_addr, env.master_port, world_size=env.world_size, is_master=env.rank == 0,
-                timeout=timeout, wait_for_workers=False,
-            )
-        # A launcher that restarts every worker (torchrun) may keep its store:
-        # each attempt gets its own keys.
-        return attempt_store(store, int(os.environ.get(envvars.TORCHELASTIC_RESTART_COUNT, "0")))
-
     # -------------------------------------------------------------- the run
     def run(self, step_fn: StepFn, state: TrainState, *, on_new_group: Callable[[], None] | None = None) -> TrainState:
         """Runs ``step_fn`` until ``state.step == config.steps``, through faults."""
@@ -189,7 +170,9 @@ class Supervisor(RerunSupport):
                             store=self.store, events=self.events)
             if self.config.checkpoint is not None else None
         )
-        self._start_watch()
+        self._watcher = GenerationWatcher(
+            self.store, rank=self.env.rank, interval_s=self.config.watch_interval_s, on_moved=self._abort_nccl
+        )
         fresh = not self.env.replacement
         try:
             while True:
@@ -206,9 +189,8 @@ class Supervisor(RerunSupport):
                     fresh = False
                     self._recover_from(exc)
         finally:
-            self._stop_watch.set()
             if self._watcher is not None:
-                self._watcher.join(timeout=5)
+                self._watcher.close()
             self._destroy_group()
             if self.progress is not None:
                 self.progress.close()
@@ -233,7 +215,7 @@ class Supervisor(RerunSupport):
         )
         plan = self._join(me)
         self.generation = plan.generation
-        self._generation_moved.clear()
+        self._watcher.watch(plan.generation)  # type: ignore[union-attr]
         self._init_group(plan.generation)
         if self.disk is not None:
             self.disk.on_generation(self.store, plan.generation)
@@ -476,27 +458,16 @@ class Supervisor(RerunSupport):
         )
 
     # ---------------------------------------------------------------- watch
-    def _start_watch(self) -> None:
-        self._watcher = threading.Thread(target=self._watch, name=f"rt-watch-rank{self.env.rank}", daemon=True)
-        self._watcher.start()
+    @property
+    def _generation_moved(self) -> threading.Event:
+        assert self._watcher is not None
+        return self._watcher.moved
 
-    def _watch(self) -> None:
-        """Notices a generation declared failed elsewhere, while the main thread computes."""
-        client = self.store.clone()  # its own connection: the main thread's may be mid-request
-        while not self._stop_watch.wait(self.config.watch_interval_s):
-            g = self.generation
-            if g < 0 or self._generation_moved.is_set():
-                continue
-            try:
-                moved = current_generation(client) > g
-            except Exception:
-                continue
-            if moved and g == self.generation:
-                self._generation_moved.set()
-                if self.device.type == "cuda" and dist.is_initialized():
-                    # NCCL can be aborted from another thread; gloo cannot, and
-                    # relies on the dead peer's closed sockets.
-                    dist.distributed_c10d._abort_process_group()
+    def _abort_nccl(self) -> None:
+        # NCCL can be aborted from another thread; gloo cannot, and relies on
+        # the dead peer's closed sockets.
+        if self.device.type == "cuda" and dist.is_initialized():
+            dist.distributed_c10d._abort_process_group()
 
 
 def _as_float(x: Any) -> float | None:

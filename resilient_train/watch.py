@@ -1,0 +1,56 @@
+"""The watcher thread: notices a generation declared failed while the main thread computes."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch.distributed as dist
+
+from resilient_train.store import current_generation
+
+__all__ = ["GenerationWatcher"]
+
+
+class GenerationWatcher:
+    """Polls the store's generation; once it moves past :attr:`generation`,
+    sets :attr:`moved` and calls ``on_moved`` (the NCCL abort).
+
+    The main thread checks :attr:`moved` at every phase boundary. ``moved`` is
+    set *before* ``on_moved`` runs, so a main thread released by the abort
+    always finds it set.
+    """
+
+    def __init__(
+        self, store: dist.Store, *, rank: int, interval_s: float, on_moved: Callable[[], None] = lambda: None
+    ) -> None:
+        self.generation = -1
+        self.moved = threading.Event()
+        self._store = store.clone()  # its own connection: the main thread's may be mid-request
+        self._interval_s = interval_s
+        self._on_moved = on_moved
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"rt-watch-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def watch(self, generation: int) -> None:
+        """Starts watching a newly joined generation."""
+        self.generation = generation
+        self.moved.clear()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            g = self.generation
+            if g < 0 or self.moved.is_set():
+                continue
+            try:
+                moved = current_generation(self._store) > g
+            except Exception:  # the store is briefly unreachable: look again next time
+                continue
+            if moved and g == self.generation:
+                self.moved.set()
+                self._on_moved()
