@@ -18,11 +18,15 @@ import torch.distributed as dist
 
 from resilient_train.store import Keys, StoreTimeout, current_generation, wait_until
 
-__all__ = ["JoinError", "Membership", "ResumePlan", "ResumeSource", "RunFinished", "join_generation", "plan_resume"]
+__all__ = ["GenerationFailed", "JoinError", "Membership", "ResumePlan", "ResumeSource", "RunFinished", "join_generation", "plan_resume"]
 
 
 class JoinError(RuntimeError):
     """The world did not assemble before the deadline."""
+
+
+class GenerationFailed(RuntimeError):
+    """Another party declared the current generation failed."""
 
 
 class RunFinished(Exception):

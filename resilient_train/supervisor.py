@@ -28,13 +28,16 @@ from monitors import EventLog, ProgressReporter
 from resilient_train import env as envvars
 from resilient_train.dataparallel import GradientAverager
 from resilient_train.disk import DiskCheckpoints
-from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
+from resilient_train.finish import finish_run, published_local_states
+from resilient_train.generation import (
+    GenerationFailed, JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation,
+)
 from resilient_train.heal import broadcast_state
 from resilient_train.lifecycle import Lifecycle, SupervisorState
 from resilient_train.rerun import RerunConfig
 from resilient_train.rerun.support import RerunSupport
 from resilient_train.snapshot import SnapshotRing
-from resilient_train.store import Keys, connect_worker_store, declare_fault, read_fault, wait_until
+from resilient_train.store import Keys, connect_worker_store, declare_fault, read_fault
 from resilient_train.train_state import TrainState, decode_local, encode_local
 from resilient_train.watch import GenerationWatcher
 
@@ -60,10 +63,6 @@ class SupervisorConfig:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
-
-
-class GenerationFailed(RuntimeError):
-    """Another party declared the current generation failed."""
 
 
 class StepContext:
@@ -364,36 +363,19 @@ class Supervisor(RerunSupport):
     # --------------------------------------------------------------- finish
     def _finish(self) -> None:
         self._progress("checkpoint", self.state.step)  # waiting for every rank, then the final state
-        g, world = self.generation, self.env.world_size
-        self.store.add(Keys.done(g), 1)
-        self._wait_or_fail(lambda: self.store.add(Keys.done(g), 0) >= world, "every rank to finish")
-        if self.env.rank == 0:
-            if self.config.write_final and self.run_dir is not None:
-                self._write_final()
-            self.store.set(Keys.FINAL, str(g))
-        else:
-            self._wait_or_fail(lambda: self.store.check([Keys.FINAL]), "the final state")
-
-    def _wait_or_fail(self, predicate: Callable[[], bool], what: str) -> None:
-        def settled() -> bool:
-            return predicate() or self._generation_moved.is_set() or self.store.check([Keys.FINAL])
-
-        wait_until(settled, timeout=self.config.join_timeout_s, what=what)
-        if not predicate() and self.store.check([Keys.FINAL]):
-            raise RunFinished()
-        if not predicate():
-            raise GenerationFailed(f"generation {self.generation} was declared failed")
+        finish_run(
+            self.store, generation=self.generation, rank=self.env.rank, world_size=self.env.world_size,
+            moved=self._generation_moved, timeout=self.config.join_timeout_s,
+            write_final=self._write_final if self.config.write_final and self.run_dir is not None else None,
+        )
 
     def _write_final(self) -> None:
         from checkpointing import write_state
 
         steps = self.config.steps
-        locals_ = {}
-        for r in range(self.env.world_size):
-            head, payload = self.store.get(Keys.local_state(r, steps % 2)).split(b"\n", 1)
-            assert int(head) == steps, f"rank {r} published step {int(head)}, expected {steps}"
-            locals_[r] = decode_local(payload)
-            locals_[r].pop("rerun", None)  # the run's memory of faults, not training state
+        locals_ = published_local_states(self.store, world_size=self.env.world_size, step=steps)
+        for local in locals_.values():
+            local.pop("rerun", None)  # the run's memory of faults, not training state
         path = self.run_dir / "final"  # type: ignore[operator]
         write_state(path, self.state.state_dict(local_states=locals_), step=steps,
                     extras={"world_size": self.env.world_size})

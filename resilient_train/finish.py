@@ -1,0 +1,60 @@
+"""The end of a run: every rank agrees it is over, then rank 0 writes the final state.
+
+A rank may die after finishing its last step: nobody leaves until every rank
+has counted itself done (or the generation failed, and the last steps are
+redone), and nobody but rank 0 leaves before the final state is committed (a
+rank 0 dying while it writes is recovered like any other fault).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from resilient_train.generation import GenerationFailed, RunFinished
+from resilient_train.store import Keys, wait_until
+from resilient_train.train_state import decode_local
+
+__all__ = ["finish_run", "published_local_states"]
+
+
+def finish_run(
+    store: dist.Store,
+    *,
+    generation: int,
+    rank: int,
+    world_size: int,
+    moved: threading.Event,
+    timeout: float,
+    write_final: Callable[[], None] | None,
+) -> None:
+    store.add(Keys.done(generation), 1)
+
+    def wait_or_fail(predicate: Callable[[], bool], what: str) -> None:
+        wait_until(lambda: predicate() or moved.is_set() or store.check([Keys.FINAL]), timeout=timeout, what=what)
+        if predicate():
+            return
+        if store.check([Keys.FINAL]):
+            raise RunFinished()
+        raise GenerationFailed(f"generation {generation} was declared failed")
+
+    wait_or_fail(lambda: store.add(Keys.done(generation), 0) >= world_size, "every rank to finish")
+    if rank == 0:
+        if write_final is not None:
+            write_final()
+        store.set(Keys.FINAL, str(generation))
+    else:
+        wait_or_fail(lambda: store.check([Keys.FINAL]), "the final state")
+
+
+def published_local_states(store: dist.Store, *, world_size: int, step: int) -> dict[int, dict[str, Any]]:
+    """Every rank's local state (data position, RNG states) as published at ``step``."""
+    states = {}
+    for r in range(world_size):
+        head, payload = store.get(Keys.local_state(r, step % 2)).split(b"\n", 1)
+        if int(head) != step:
+            raise RuntimeError(f"rank {r} published its state of step {int(head)}, expected {step}")
+        states[r] = decode_local(payload)
+    return states
