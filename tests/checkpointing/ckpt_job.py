@@ -22,7 +22,7 @@ class Job:
     procs: list[subprocess.Popen[str]]
     store: dist.TCPStore
 
-    def wait(self, timeout: float = 120) -> list[tuple[int, list[dict[str, Any]], str]]:
+    def wait(self, timeout: float = 240) -> list[tuple[int, list[dict[str, Any]], str]]:
         out = []
         for p in self.procs:
             stdout, stderr = p.communicate(timeout=timeout)
@@ -45,9 +45,9 @@ def start_job(
     load: bool = False,
     env: dict[int, dict[str, str]] | None = None,
     extra: list[str] | None = None,
-    timeout: float = 60.0,
+    timeout: float = 150.0,
 ) -> Job:
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=180), wait_for_workers=False)
     procs = []
     for rank in range(world):
         e = dict(os.environ)

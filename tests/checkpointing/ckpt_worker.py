@@ -38,10 +38,10 @@ def main() -> int:
     if args.fsize_limit:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
-    store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False, timeout=timedelta(seconds=180))
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("pg", store), rank=args.rank, world_size=args.world,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=180),
     )
     config = CheckpointConfig(directory=args.dir, keep_last=10, local_keys=("rng",), timeout_s=args.timeout, run_id="test-run")
     events = EventLog(args.events, source=f"rank{args.rank}")

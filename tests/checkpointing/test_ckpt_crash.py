@@ -44,12 +44,12 @@ RANK_STAGES = [
 ]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize(("stage", "victim", "newest", "resave"), RANK_STAGES, ids=[s[0] for s in RANK_STAGES])
 def test_rank_killed_at_stage(tmp_path: Path, stage: str, victim: int, newest: int, resave: bool) -> None:
     root = tmp_path / "ck"
     job = start_job(2, root, save="1,2", env={victim: {KILL_AT_ENV: f"{stage}@2@{victim}"}})
-    rc = job.procs[victim].wait(timeout=90)
+    rc = job.procs[victim].wait(timeout=200)
     assert rc == -9
     job.kill_all()  # the launcher tears the job down
     _assert_newest_is(root, newest, 2)
@@ -58,7 +58,7 @@ def test_rank_killed_at_stage(tmp_path: Path, stage: str, victim: int, newest: i
         return
     # The restarted job saves the same step again over whatever the crash left behind.
     job = start_job(2, root, save="2")
-    for code, lines, err in job.wait(90):
+    for code, lines, err in job.wait(200):
         assert code == 0, err
         assert lines == [{"step": 2, "phase": "committed", "error": None}]
     _assert_newest_is(root, 2, 2)
@@ -68,12 +68,12 @@ def test_rank_killed_at_stage(tmp_path: Path, stage: str, victim: int, newest: i
 WRITER_STAGES = [("writing", 1), ("written", 0)]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize(("stage", "victim"), WRITER_STAGES, ids=[s[0] for s in WRITER_STAGES])
 def test_writer_killed_at_stage_training_goes_on(tmp_path: Path, stage: str, victim: int) -> None:
     root = tmp_path / "ck"
     job = start_job(2, root, save="1,2,3", env={victim: {KILL_AT_ENV: f"{stage}@2@{victim}"}})
-    results = job.wait(90)
+    results = job.wait(200)
     for code, lines, err in results:
         assert code == 0, err
         assert [(l["step"], l["phase"]) for l in lines] == [(1, "committed"), (2, "failed"), (3, "committed")]
@@ -82,12 +82,12 @@ def test_writer_killed_at_stage_training_goes_on(tmp_path: Path, stage: str, vic
     _assert_newest_is(root, 3, 2)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_disk_full_fails_cleanly_and_keeps_the_previous(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     # Step 1's shard (scale 1) fits under the limit; step 2's (scale 64) does not; step 3 fits again.
     job = start_job(1, root, save="1,2,3", extra=["--scales", "1,64,1", "--fsize-limit", "65536"])
-    [(code, lines, err)] = job.wait(90)
+    [(code, lines, err)] = job.wait(200)
     assert code == 0, err
     assert [(l["step"], l["phase"]) for l in lines] == [(1, "committed"), (2, "failed"), (3, "committed")]
     assert "writing the shard of rank 0 failed" in lines[1]["error"]  # torch's serializer hides EFBIG
@@ -98,18 +98,18 @@ def test_disk_full_fails_cleanly_and_keeps_the_previous(tmp_path: Path) -> None:
     assert len(failed) == 1 and failed[0]["step"] == 2 and "writing the shard" in failed[0]["reason"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_reshard_save_on_4_load_on_2_and_3(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     job = start_job(4, root, save="5")
-    for code, lines, err in job.wait(120):
+    for code, lines, err in job.wait(240):
         assert code == 0, err
         assert lines == [{"step": 5, "phase": "committed", "error": None}]
     _, manifest = read_state(root / "step-5")
     assert manifest.world_size == 4 and sorted(manifest.local_trees) == [0, 1, 2, 3]
     for world, next_step in ((2, 6), (3, 6)):
         job = start_job(world, root, load=True, extra=[])
-        results = job.wait(120)
+        results = job.wait(240)
         for rank, (code, lines, err) in enumerate(results):
             assert code == 0, err
             [line] = lines
