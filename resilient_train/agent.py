@@ -228,8 +228,8 @@ class Agent:
 
     def _poll_workers(self) -> None:
         for w in list(self.workers.values()):
-            if w.state is not WorkerState.RUNNING:
-                continue
+            if w.state is not WorkerState.RUNNING or self.workers.get(w.rank) is not w:
+                continue  # finished, or replaced while this loop ran (a restart of every worker)
             rc = w.proc.poll()
             if rc is None:
                 continue
