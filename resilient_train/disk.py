@@ -41,6 +41,7 @@ class DiskCheckpoints:
             raise ValueError(f"the supervisor's checkpoint config must list {LOCAL_KEY!r} in local_keys")
         self.config = config
         self.rank = rank
+        self._prepared = False
         # Re-pointed at each generation's keys by on_generation.
         self._manager = CheckpointManager(
             config, rank=rank, world_size=world_size, store=dist.PrefixStore("rt/ckpt-unused", store), events=events
@@ -49,6 +50,12 @@ class DiskCheckpoints:
     def on_generation(self, store: dist.Store, generation: int) -> None:
         # Saves of a failed generation never mix their reports with the next one's.
         self._manager.set_store(dist.PrefixStore(f"rt/gen/{generation}/ckpt", store))
+
+    def prepare(self, state: TrainState) -> None:
+        """Starts the writer process and sizes the staging buffers now, not at the first save."""
+        if not self._prepared:
+            self._manager.prepare(self._state_dict(state))
+            self._prepared = True
 
     def maybe_save(self, state: TrainState) -> None:
         if self.config.should_save(state.step):
@@ -61,7 +68,7 @@ class DiskCheckpoints:
         """
         key = f"rt/gen/{generation}/disk_step"
         if self.rank == 0:
-            latest = self._manager.latest_step()
+            latest = self._manager.latest_step(verify=True)  # the newest whose checksums verify
             store.set(key, "" if latest is None else str(latest))
         else:
             wait_until(lambda: store.check([key]), timeout=timeout, what="the step to load from disk")

@@ -223,6 +223,8 @@ class Supervisor(RerunSupport):
         t1 = time.monotonic()
         self._restore(plan)
         self._timings["heal_s"] = time.monotonic() - t1
+        if self.disk is not None:
+            self.disk.prepare(self.state)
         if on_new_group is not None:
             on_new_group()
         self._report_recovery(plan)
