@@ -22,13 +22,13 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         description="Run SCRIPT on --nproc-per-node ranks with torchrun's environment; "
         "replace ranks that die and recover in place.",
     )
-    p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="worker processes on this node (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (only 1 for now)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="address of the coordination store (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=0, help="port of the coordination store (default 0: a free one)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank (default 0)")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="address of the coordination store (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", type=int, default=0, help="port of the coordination store (default 0: a free one)")
     p.add_argument("--run-dir", default="runs/latest", help="events.jsonl, final/ and checkpoints go here (default runs/latest)")
-    p.add_argument("--max-restarts", type=int, default=10, help="rank replacements before giving up (default 10)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=10, help="rank replacements before giving up (default 10)")
     p.add_argument("--no-spare", action="store_true", help="do not keep a warm spare worker")
     p.add_argument("--chaos", default="", help="JSON list of faults to inject (see the chaos package)")
     p.add_argument("--monitor-config", default=None,
