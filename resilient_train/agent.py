@@ -112,6 +112,7 @@ class Agent:
         self.workers: dict[int, _Worker] = {}
         self.restarts = 0
         self._spare: subprocess.Popen | None = None
+        self._spare_ready_fd: int | None = None
         self._stop_code: int | None = None  # a worker asked the whole job to stop with this code
 
     def _check_run_dir(self) -> None:
@@ -157,7 +158,11 @@ class Agent:
 
     def _spawn(self, rank: int, generation: int, *, replacement: bool) -> None:
         env = self._worker_env(rank, generation, replacement)
-        spare, self._spare = self._spare, None
+        env[E.RT_SPAWNED_AT] = repr(time.time())
+        spare, spare_ready = None, False
+        if replacement:  # the spare is kept for replacements, where its head start counts
+            spare, self._spare = self._spare, None
+            spare_ready = self._take_spare_ready()
         if spare is not None and spare.poll() is None and spare.stdin is not None:
             spec = {"argv": self._argv(), "env": env, "cwd": os.getcwd()}
             try:
@@ -171,7 +176,7 @@ class Agent:
         self.workers[rank] = _Worker(rank=rank, proc=proc, generation=generation)
         self.monitor.reset(rank)
         self.events.emit("worker_spawned", rank=rank, pid=proc.pid, generation=generation,
-                         replacement=replacement, warm=proc is spare)
+                         replacement=replacement, warm=proc is spare, spare_ready=proc is spare and spare_ready)
 
     def _popen(self, env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-u", *self._argv()], env=env, preexec_fn=_die_with_parent)
@@ -189,13 +194,21 @@ class Agent:
             )
         finally:
             os.close(ready_w)
+        self._spare_ready_fd = ready_r
+        if wait_ready_s > 0:
+            readable, _, _ = select.select([ready_r], [], [], wait_ready_s)
+            if not readable:
+                self.events.emit("spare_slow", waited_s=wait_ready_s)
+
+    def _take_spare_ready(self) -> bool:
+        """Whether the spare being handed out had finished warming up."""
+        fd, self._spare_ready_fd = self._spare_ready_fd, None
+        if fd is None:
+            return False
         try:
-            if wait_ready_s > 0:
-                readable, _, _ = select.select([ready_r], [], [], wait_ready_s)
-                if not readable:
-                    self.events.emit("spare_slow", waited_s=wait_ready_s)
+            return bool(select.select([fd], [], [], 0)[0])
         finally:
-            os.close(ready_r)
+            os.close(fd)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:

@@ -35,6 +35,7 @@ RT_RUN_DIR = "RT_RUN_DIR"  # where events.jsonl, final/ and checkpoints go
 RT_GENERATION = "RT_GENERATION"  # the generation the worker was spawned into
 RT_ROLE = "RT_ROLE"  # "initial" or "replacement"
 RT_CHAOS = "RT_CHAOS"  # JSON list of faults to inject (see chaos.faults)
+RT_SPAWNED_AT = "RT_SPAWNED_AT"  # wall-clock time the agent started (or assigned) the worker
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -162,7 +162,7 @@ class Supervisor(RerunSupport):
         self.store.set(Keys.supervised(self.env.rank), str(os.getpid()))
         self.events.emit(
             "run_start", rank=self.env.rank, pid=os.getpid(), world_size=self.env.world_size,
-            replacement=self.env.replacement, steps=self.config.steps,
+            replacement=self.env.replacement, steps=self.config.steps, since_spawn_s=_since_spawn(),
         )
         self.disk = (
             DiskCheckpoints(self.config.checkpoint, rank=self.env.rank, world_size=self.env.world_size,
@@ -460,3 +460,9 @@ def _as_float(x: Any) -> float | None:
     if isinstance(x, (int, float)):
         return float(x)
     return None
+
+
+def _since_spawn() -> float | None:
+    """Seconds from the agent starting this worker to its run starting (None without an agent)."""
+    spawned = os.environ.get(envvars.RT_SPAWNED_AT)
+    return round(time.time() - float(spawned), 3) if spawned else None
