@@ -126,8 +126,6 @@ class _Watch:
             except ProcessLookupError:
                 pass
             self.proc.wait(timeout=30)
-        elif self.resume_at is not None:
-            self.resume_at = None
 
     def _tail_events(self) -> None:
         try:
