@@ -159,6 +159,9 @@ class Agent:
     def _spawn(self, rank: int, generation: int, *, replacement: bool) -> None:
         env = self._worker_env(rank, generation, replacement)
         env[E.RT_SPAWNED_AT] = repr(time.time())
+        # Before the worker can start: a warm spare creates its progress slot at once, and a slot that
+        # exists when the detector is reset is taken for the dead worker's and never watched.
+        self.monitor.reset(rank)
         spare, spare_ready = None, False
         if replacement:  # the spare is kept for replacements, where its head start counts
             spare, self._spare = self._spare, None
@@ -174,7 +177,6 @@ class Agent:
         else:
             proc = self._popen(env)
         self.workers[rank] = _Worker(rank=rank, proc=proc, generation=generation)
-        self.monitor.reset(rank)
         self.events.emit("worker_spawned", rank=rank, pid=proc.pid, generation=generation,
                          replacement=replacement, warm=proc is spare, spare_ready=proc is spare and spare_ready)
 
