@@ -117,47 +117,69 @@ def _pack(config: MatrixConfig) -> list[list[tuple[str, str]]]:
     return groups
 
 
-def _scenario(config: MatrixConfig, n: int, group: list[tuple[str, str]], steps: int) -> Scenario:
+def _scenario(config: MatrixConfig, name: str, group: list[tuple[str, str]], steps: int) -> Scenario:
     faults = []
     for j, (kind, phase) in enumerate(group):
         step = None if phase == "heal" else config.warmup_steps + j * config.steps_per_fault
         faults.append(PlannedFault(kind=kind, ranks=(j % config.ranks,), phase=None if phase == "-" else phase,
                                    step=step, duration_s=_DURATIONS.get(kind)))
+    if all(p == "heal" for _, p in group):  # a fault in 'heal' needs a recovery: a raise on another rank starts one
+        faults.append(PlannedFault(kind="raise", ranks=(1 % config.ranks,), phase="forward", step=config.warmup_steps))
     job = JobSpec(script=config.script, args=config.args, ranks=config.ranks, steps=steps, monitor=config.monitor)
     inv = config.invariants if _family(group[0][0]) == 0 else dataclasses.replace(config.invariants, bitwise=False)
-    return Scenario(name=f"matrix-{n:02d}", job=job, schedule=FixedSchedule(faults=tuple(faults)),
+    return Scenario(name=name, job=job, schedule=FixedSchedule(faults=tuple(faults)),
                     invariants=inv, timeout_s=config.timeout_s,
-                    description=f"chaos matrix job {n}: " + ", ".join(f"{k}@{p}" for k, p in group))
+                    description="chaos matrix job: " + ", ".join(f"{k}@{p}" for k, p in group))
+
+
+def _verdicts(config: MatrixConfig, group: list[tuple[str, str]], res: ScenarioResult) -> tuple[list[tuple[bool, str]], bool]:
+    """Per cell (passed, why), and whether the job as a whole broke (completes, bitwise, valid_latest)."""
+    inv = config.invariants
+    job_bad = [c for c in res.checks if not c.ok and c.name in ("completes", "bitwise", "valid_latest")]
+    out = []
+    for tl in res.timelines[:len(group)]:  # a helper fault, if any, comes last
+        why = []
+        if tl.injected is None:
+            why.append("never fired")
+        elif not tl.tolerated and (tl.detect_s is None or tl.detect_s > inv.detect_timeout_s):
+            why.append("not detected in time")
+        if tl.injected is not None and (tl.recover_s is None or tl.recover_s > inv.recover_timeout_s):
+            why.append("not recovered in time")
+        if (tl.steps_redone or 0) > inv.max_steps_redone:
+            why.append(f"{tl.steps_redone} steps redone")
+        why += [f"job: {c.name} broken" for c in job_bad]
+        out.append((not why, "; ".join(why) or f"recovered in {_s(tl.recover_s)}"))
+    return out, bool(job_bad)
 
 
 def run_matrix(config: MatrixConfig, *, out_dir: str | Path, cache_dir: str | Path | None = None,
                echo: bool = True) -> MatrixResult:
+    """Runs the packed jobs; when a job as a whole breaks, each of its cells runs again alone, so the table
+    blames the cell that broke it rather than every cell that shared the job."""
     out = Path(out_dir)
     groups = _pack(config)
     steps = config.warmup_steps + max(len(g) for g in groups) * config.steps_per_fault + config.steps_per_fault
     cells: dict[tuple[str, str], tuple[bool, str]] = {}
     jobs = []
-    for n, group in enumerate(groups):
-        scn = _scenario(config, n, group, steps)
+
+    def run(name: str, group: list[tuple[str, str]], label: str) -> tuple[list[tuple[bool, str]], bool]:
+        scn = _scenario(config, name, group, steps)
         if echo:
-            print(f"chaos matrix: job {n + 1}/{len(groups)}: {scn.description.split(': ', 1)[1]}", flush=True)
-        res = run_scenario(scn, out_dir=out / scn.name, cache_dir=cache_dir)
+            print(f"chaos matrix: {label}: {scn.description.split(': ', 1)[1]}", flush=True)
+        res = run_scenario(scn, out_dir=out / name, cache_dir=cache_dir)
         jobs.append(res)
-        job_bad = [c for c in res.checks if not c.ok and c.name in ("completes", "bitwise", "valid_latest")]
-        for (kind, phase), tl in zip(group, res.timelines):
-            why = []
-            if tl.injected is None:
-                why.append("never fired")
-            elif not tl.tolerated and (tl.detect_s is None or tl.detect_s > config.invariants.detect_timeout_s):
-                why.append("not detected in time")
-            if tl.injected is not None and (tl.recover_s is None or tl.recover_s > config.invariants.recover_timeout_s):
-                why.append("not recovered in time")
-            if (tl.steps_redone or 0) > config.invariants.max_steps_redone:
-                why.append(f"{tl.steps_redone} steps redone")
-            why += [f"job: {c.name} broken" for c in job_bad]
-            cells[(kind, phase)] = (not why, "; ".join(why) or f"recovered in {_s(tl.recover_s)}")
+        return _verdicts(config, group, res)
+
+    for n, group in enumerate(groups):
+        verdicts, broke = run(f"matrix-{n:02d}", group, f"job {n + 1}/{len(groups)}")
+        if broke and len(group) > 1:
+            verdicts = [run(f"matrix-{n:02d}-{i}", [cell], f"job {n + 1}, {cell[0]}@{cell[1]} alone")[0][0]
+                        for i, cell in enumerate(group)]
+            verdicts = [(ok, f"alone: {why}") for ok, why in verdicts]
+        for cell, verdict in zip(group, verdicts):
+            cells[cell] = verdict
             if echo:
-                print(f"  {kind:<13} {phase:<14} {'PASS' if not why else 'FAIL'}  {cells[(kind, phase)][1]}", flush=True)
+                print(f"  {cell[0]:<13} {cell[1]:<14} {'PASS' if verdict[0] else 'FAIL'}  {verdict[1]}", flush=True)
     result = MatrixResult(cells=cells, jobs=jobs)
     out.mkdir(parents=True, exist_ok=True)
     (out / "matrix.md").write_text("# chaos matrix\n\n" + result.table() + "\n\n" + "\n".join(
