@@ -40,8 +40,10 @@ class RerunSupport:
     def _make_rerun(self) -> RerunDriver:
         hooks = RerunHooks(exchange=self._exchange, rewind=self._rewind, save=self._save_for_stop, exit=_exit,
                            publish=lambda key, value: self.store.set(key, value))
-        return RerunDriver(self.config.rerun, rank=self.env.rank, world_size=self.env.world_size,
-                           emit=self.events.emit, hooks=hooks)
+        driver = RerunDriver(self.config.rerun, rank=self.env.rank, world_size=self.env.world_size,
+                             emit=self.events.emit, hooks=hooks)
+        driver.device_index = self.device.index if self.device.type == "cuda" else None
+        return driver
 
     def _compute(self, step_fn: StepFn, step: int, as_rank: int) -> Any:
         """One computation of ``step`` with ``as_rank``'s data (the caller loaded that rank's local state)."""
@@ -77,7 +79,13 @@ class RerunSupport:
             head, local = self.store.get(Keys.local_state(as_rank, step % 2)).split(b"\n", 1)
             assert int(head) == step, (int(head), step)
         sd = decode_local(local)
-        sd.pop("rerun", None)  # the machine is mid-flow: its own state stays
+        theirs = sd.pop("rerun", {}).get("device")  # the machine is mid-flow: its own state stays
+        cuda = sd.get("rng", {}).get("cuda")
+        if cuda is not None and theirs is not None and self.device.type == "cuda" and theirs != self.device.index:
+            # Their dropout stream lives on their device: it becomes this device's stream.
+            cuda = list(cuda)
+            cuda[self.device.index] = cuda[theirs]
+            sd["rng"]["cuda"] = cuda
         self.state.load_local(sd)
 
     def _exchange(self, row: list[float]) -> list[list[float]]:

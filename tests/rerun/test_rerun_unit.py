@@ -185,3 +185,16 @@ def test_machine_travels_in_the_rank_local_state():
     other.load_local(decode_local(blob))
     assert d2.machine.counters["genuine"] == 1
     assert list(d2.machine.validators.loss_history.values) == list(d.machine.validators.loss_history.values)
+
+
+@pytest.mark.timeout(10)
+def test_a_persistent_verdict_that_follows_the_replacement_is_genuine():
+    """Rank 1 was excluded at step 7; its replacement reproduces the same values and the peer still differs."""
+    bad = StepResult(2.0, math.inf)
+    w = _World([[bad], [bad], [GOOD]], [[2], [2], [0]])
+    d, ev = _driver(w)
+    d.machine.classify(Classification.PERSISTENT, {"rank": 1, "step": 7})
+    assert d.after_step(7, GOOD, lambda as_rank: GOOD) is Outcome.SKIP
+    (decision,) = [e for e in ev if e["event"] == "rerun_decision"]
+    assert decision["classification"] == "genuine" and "replacement" in decision["note"]
+
