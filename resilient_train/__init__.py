@@ -7,11 +7,13 @@ Wrap an existing loop::
 """
 
 from resilient_train.env import WorkerEnv
+from resilient_train.rerun import RerunConfig
 from resilient_train.supervisor import GenerationFailed, StepContext, Supervisor, SupervisorConfig
 from resilient_train.train_state import Stateful, TrainState
 
 __all__ = [
     "GenerationFailed",
+    "RerunConfig",
     "StepContext",
     "Stateful",
     "Supervisor",
