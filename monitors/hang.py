@@ -144,7 +144,10 @@ class HangDetector:
                 since = now - (self._since[rank] if snap is None else max(self._since[rank], snap.started_s))
             else:
                 section, step, pid = snap.section, snap.step, snap.pid
-                since = now - snap.last_progress_s
+                # Never more idle time than since this process was first watched
+                # (reset at its spawn): a slot read while its writer fills it in
+                # can show a progress count before its timestamp.
+                since = now - max(snap.last_progress_s, self._since[rank])
             limit = self.timeout(section)
             if since > limit:
                 waiting: tuple[int, ...] = ()
