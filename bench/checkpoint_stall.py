@@ -22,7 +22,6 @@ Run: ``python bench/checkpoint_stall.py [--gb 1.6] [--saves 4] [--device cuda]``
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -153,7 +152,7 @@ def main() -> int:
     floor_s = min(steady(results["floor (copy into preallocated buffer)"]), steady(results["floor, measured again last"]))
     async_s = min(steady(results["dcp.async_save (thread)"]), steady(results["dcp.async_save (process)"]))
     print()
-    print(f"| method | first save blocked (s) | steady blocked, median (s) | x floor (lower of the two) | x best dcp.async_save |")
+    print("| method | first save blocked (s) | steady blocked, median (s) | x floor (lower of the two) | x best dcp.async_save |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, v in results.items():
         s = steady(v)

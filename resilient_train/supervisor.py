@@ -38,7 +38,7 @@ from resilient_train.rerun import RerunConfig
 from resilient_train.rerun.support import RerunSupport
 from resilient_train.snapshot import SnapshotRing
 from resilient_train.store import Keys, connect_worker_store, declare_fault, read_fault
-from resilient_train.train_state import TrainState, decode_local, encode_local
+from resilient_train.train_state import TrainState, as_float, decode_local, encode_local
 from resilient_train.watch import GenerationWatcher
 
 __all__ = ["GenerationFailed", "RunFinished", "StepContext", "Supervisor", "SupervisorConfig"]
@@ -314,7 +314,7 @@ class Supervisor(RerunSupport):
                 self._progress("checkpoint", state.step)
                 self.disk.maybe_save(state)
             if self.env.rank == 0:
-                self.events.emit("step_done", step=state.step, loss=_as_float(out), generation=self.generation)
+                self.events.emit("step_done", step=state.step, loss=as_float(out), generation=self.generation)
             ctx.enter(Phase.BETWEEN_STEPS)
 
     def _settle_step(self) -> None:
@@ -453,13 +453,6 @@ class Supervisor(RerunSupport):
         if self.device.type == "cuda" and dist.is_initialized():
             dist.distributed_c10d._abort_process_group()
 
-
-def _as_float(x: Any) -> float | None:
-    if isinstance(x, torch.Tensor):
-        return float(x.detach().float().item())
-    if isinstance(x, (int, float)):
-        return float(x)
-    return None
 
 
 def _since_spawn() -> float | None:

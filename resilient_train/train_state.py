@@ -132,3 +132,12 @@ def encode_local(sd: dict[str, Any]) -> bytes:
 def decode_local(data: bytes) -> dict[str, Any]:
     # weights_only: plain data and tensors only, nothing is executed.
     return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def as_float(x: Any) -> float | None:
+    """A step's output as a plain number for logs and validators (None if it is not one)."""
+    if isinstance(x, torch.Tensor):
+        return float(x.detach().float().item())
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from resilient_train.rerun.driver import RECORD_KEY, RerunDriver, RerunHooks
 from resilient_train.rerun.validators import StepResult
 from resilient_train.store import Keys, wait_until
-from resilient_train.train_state import decode_local
+from resilient_train.train_state import as_float, decode_local
 
 __all__ = ["RerunSupport"]
 
@@ -64,7 +64,7 @@ class RerunSupport:
         self.ctx.data_rank = self.env.rank
 
     def _result(self, out: Any) -> StepResult:
-        loss = _as_float(self._measured[0] if self._measured[0] is not None else out)
+        loss = as_float(self._measured[0] if self._measured[0] is not None else out)
         if loss is None:
             raise ValueError("rerun validation needs the step's loss: return it from the step or pass it to ctx.loss()")
         norm = self._measured[1]
@@ -162,10 +162,3 @@ class RerunSupport:
 def _exit(code: int) -> NoReturn:
     raise SystemExit(code)
 
-
-def _as_float(x: Any) -> float | None:
-    if isinstance(x, torch.Tensor):
-        return float(x.detach().float().item())
-    if isinstance(x, (int, float)):
-        return float(x)
-    return None

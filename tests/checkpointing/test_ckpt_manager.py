@@ -6,11 +6,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from checkpointing import CheckpointConfig, CheckpointManager, SavePhase, diff_states, write_state
-from checkpointing.manifest import FileEntry, Manifest
 from checkpointing.retention import select_deletions
 from ckpt_helpers import make_state, rank_state
 from monitors.events import EventLog, read_events
