@@ -118,3 +118,22 @@ def test_png_is_a_valid_rgb_image(tmp_path: Path) -> None:
     raw = zlib.decompress(data[idat + 4: idat + 4 + size])
     assert len(raw) == h * (1 + 3 * w)
     assert bytes([255, 0, 0]) in raw  # the fault mark is drawn
+
+
+@pytest.mark.timeout(30)
+def test_matrix_packs_every_cell_once_heal_after_a_trigger() -> None:
+    from chaos.matrix import UNSUPPORTED, MatrixConfig, _pack, _scenario
+
+    full = MatrixConfig()
+    groups = _pack(full)
+    cells = [c for g in groups for c in g]
+    assert sorted(cells) == sorted(full.cells()) and len(cells) == len(set(cells))
+    assert not {k for k, _ in cells} & set(UNSUPPORTED)
+    for g in groups:
+        phases = [p for _, p in g]
+        assert "heal" not in phases or phases.index("heal") > 0 or len(g) == 1  # behind a fault that causes a recovery
+        assert len({k == "spike" for k, _ in g}) == 1  # the spike (not bitwise) never shares a job
+    quick = _pack(MatrixConfig(quick=True))
+    assert sorted(k for g in quick for k, _ in g) == sorted(k for k in all_kinds() if k not in UNSUPPORTED)
+    alone = _scenario(full, "x", [("hang", "heal")], 60).plan()
+    assert [f.kind for f in alone] == ["hang", "raise"] and alone[1].ranks != alone[0].ranks
