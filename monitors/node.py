@@ -12,6 +12,7 @@ intervals_below).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -110,6 +111,7 @@ class NodeMonitor:
                     self.sinks.append(tb)
         self._reported: set[tuple[int, int, int]] = set()
         self._hangs_total: dict[int, int] = {r: 0 for r in ranks}
+        self._state_on_disk: dict[str, Any] | None = None  # what save_state last wrote or load_state read
         self.events.emit("monitor_start", ranks=ranks, prometheus=self.prometheus_url,
                          tensorboard=any(isinstance(s, TensorBoardSink) for s in self.sinks),
                          hang=asdict(config.hang), straggler=asdict(config.straggler))
@@ -204,6 +206,41 @@ class NodeMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "hang" in state:
             self.hangs.load_state_dict(state["hang"])
+
+    def save_state(self, path: str | os.PathLike[str]) -> bool:
+        """Writes ``state_dict()`` as JSON to ``path`` atomically (a temporary file, then a rename).
+        Returns False when the state is the one this monitor last saved or loaded (nothing written)."""
+        state = self.state_dict()
+        if state == self._state_on_disk:
+            return False
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._state_on_disk = state
+        return True
+
+    def load_state(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """Merges the state ``save_state`` wrote (a job restarted in the same run directory keeps its
+        computed timeouts). Returns the state loaded, None when there is no file. A file that does not
+        parse raises ValueError."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        try:
+            state = json.loads(text)
+            if not isinstance(state, dict):
+                raise ValueError("not a JSON object")
+            self.load_state_dict(state)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"monitor state {str(path)!r}: {e}") from None
+        self._state_on_disk = self.state_dict()
+        return state
 
     def close(self) -> None:
         for sink in self.sinks:
