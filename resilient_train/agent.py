@@ -57,6 +57,7 @@ class AgentConfig:
     max_restarts: int = 10
     warm_spare: bool = True
     monitor_interval_s: float = 0.05
+    monitor_state_every_s: float = 5.0  # how often the computed hang timeouts are saved to the run directory
     chaos: str = ""  # JSON list of faults for the workers (chaos.dumps_faults)
     env: dict[str, str] = field(default_factory=dict)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
@@ -114,6 +115,15 @@ class Agent:
         self._spare: subprocess.Popen | None = None
         self._spare_ready_fd: int | None = None
         self._stop_code: int | None = None  # a worker asked the whole job to stop with this code
+        # The computed hang timeouts outlive the agent: a job restarted in this run directory keeps them.
+        self._monitor_state = self.run_dir / ".monitors" / "timeouts.json"
+        try:
+            if self.monitor.load_state(self._monitor_state) is not None:
+                self.events.emit("monitor_state_loaded", path=str(self._monitor_state),
+                                 timeouts_s=self.monitor.state_dict()["hang"]["timeouts_s"])
+        except ValueError as e:
+            self.events.emit("monitor_state_ignored", path=str(self._monitor_state), reason=str(e))
+        self._monitor_saved_at = time.monotonic()
 
     def _check_run_dir(self) -> None:
         try:
@@ -262,6 +272,8 @@ class Agent:
     def _poll_monitor(self) -> None:
         """Kills hung ranks (and stragglers under the "replace" policy); they then recover like dead ones."""
         found = self.monitor.poll()
+        if time.monotonic() - self._monitor_saved_at >= self.config.monitor_state_every_s:
+            self._save_monitor_state()
         causes: dict[int, dict] = {r: {"kind": "straggler"} for r in found.replace}
         for h in found.hangs:
             if h.rank in found.kill:
@@ -315,8 +327,16 @@ class Agent:
             except subprocess.TimeoutExpired:
                 pass
 
+    def _save_monitor_state(self) -> None:
+        self._monitor_saved_at = time.monotonic()
+        try:
+            self.monitor.save_state(self._monitor_state)
+        except OSError as e:  # a full disk must not stop the job
+            self.events.emit("monitor_state_not_saved", path=str(self._monitor_state), reason=str(e))
+
     def close(self) -> None:
         self._kill_workers()
+        self._save_monitor_state()
         self.monitor.close()
         if self._spare is not None and self._spare.poll() is None:
             self._spare.kill()
