@@ -1,0 +1,69 @@
+"""The agent keeps the computed hang timeouts in RUN_DIR/.monitors/timeouts.json across jobs (real processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from monitors import HangConfig
+from resilient_train.agent import Agent, AgentConfig
+from jobs import GPT, Job, run_gpt
+
+
+def _since_last_start(job: Job) -> list[dict]:
+    """The events of the last job in the run directory (its monitor starts first, before the agent loads its state)."""
+    ev = job.events()
+    start = max(i for i, e in enumerate(ev) if e["event"] == "monitor_start")
+    return ev[start:]
+
+
+@pytest.mark.timeout(420)
+def test_a_job_restarted_in_the_same_run_dir_keeps_its_computed_timeouts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    state_file = run_dir / ".monitors" / "timeouts.json"
+    defaults = HangConfig()
+
+    first = run_gpt(run_dir, nproc=2, steps=12)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = json.loads(state_file.read_text())["hang"]
+    assert saved["version"] == 1
+    assert saved["observations"]["forward"] >= 2 * 12  # every rank's every step, folded in before the exit
+    computed = max(defaults.min_timeout, defaults.safety_factor * saved["observed_max_s"]["forward"])
+    assert saved["timeouts_s"]["forward"] == pytest.approx(computed)
+    assert saved["timeouts_s"]["forward"] < defaults.default_timeout
+    assert not list(state_file.parent.glob("*.tmp"))  # written through a temporary file and renamed
+
+    # A new job in the same run directory: rank 1 hangs in its second step, long before this job alone
+    # could have seen min_observations forwards; the loaded timeout applies, not the 60 s default.
+    second = run_gpt(run_dir, nproc=2, steps=4, faults=[{"kind": "hang", "rank": 1, "step": 1, "phase": "forward"}])
+    assert second.returncode == 0, second.stderr[-3000:]
+    ev = _since_last_start(second)
+    loaded = [e for e in ev if e["event"] == "monitor_state_loaded"]
+    assert len(loaded) == 1 and loaded[0]["timeouts_s"] == pytest.approx(saved["timeouts_s"])
+    hang = next(e for e in ev if e["event"] == "hang_detected" and e["rank"] == 1)
+    # The fault fires as the rank leaves "data" for "forward": the slot may still say "data".
+    assert hang["section"] in ("data", "forward") and hang["step"] == 1
+    assert saved["timeouts_s"][hang["section"]] < defaults.default_timeout
+    assert hang["timeout_s"] >= saved["timeouts_s"][hang["section"]]  # maxima only grow when merged
+    assert hang["timeout_s"] < defaults.default_timeout
+    assert any(e["event"] == "recovery_done" for e in ev)
+
+    after = json.loads(state_file.read_text())["hang"]
+    assert after["observations"]["forward"] > saved["observations"]["forward"]  # the second job's forwards added
+    assert after["observed_max_s"]["forward"] >= saved["observed_max_s"]["forward"]
+
+
+@pytest.mark.timeout(60)
+def test_an_unreadable_state_file_is_reported_and_replaced(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    state_file = run_dir / ".monitors" / "timeouts.json"
+    state_file.parent.mkdir(parents=True)
+    state_file.write_text("{not json")
+    agent = Agent(AgentConfig(script=str(GPT), run_dir=str(run_dir)))
+    agent.close()
+    ev = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    ignored = [e for e in ev if e["event"] == "monitor_state_ignored"]
+    assert len(ignored) == 1 and "timeouts.json" in ignored[0]["reason"]
+    assert json.loads(state_file.read_text())["hang"]["version"] == 1  # close() wrote a valid state
