@@ -11,8 +11,8 @@
    default (computed) timeouts; one rank is SIGSTOPped at step 8. We report the
    timeout the detector applied, the time from the rank's last progress to the
    detection, from the injection to the agent's kill, and the recovery.
-3. NVRx's ``ft_launcher`` on the same hang, when nvidia-resiliency-ext is
-   installed (``pip install nvidia-resiliency-ext==0.4.1``); skipped otherwise.
+3. NVRx's ``ft_launcher`` on the same hang, side by side: bench/hang_latency.py
+   (needs ``pip install nvidia-resiliency-ext==0.4.1``, the ``nvrx`` extra).
 
 Run: ``python bench/monitor_overhead.py [--blocks 20] [--steps-per-block 10] [--hang-runs 2]``.
 """
@@ -162,7 +162,7 @@ def main() -> int:
     if importlib.util.find_spec("nvidia_resiliency_ext") is None:
         print("NVRx ft_launcher: nvidia-resiliency-ext is not installed; comparison skipped")
     else:
-        print("NVRx ft_launcher: installed, but the side-by-side hang run is not written yet")
+        print("NVRx ft_launcher on the same hang: python bench/hang_latency.py")
     return 0
 
 
