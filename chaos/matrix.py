@@ -17,7 +17,7 @@ from typing import Any
 from chaos.runner import ScenarioResult, run_scenario
 from chaos.scenario import Invariants, JobSpec, Scenario
 from chaos.schedule import CORRUPT_CKPT, DRIVER_KINDS, FixedSchedule, PlannedFault, all_kinds
-from chaos.faults import Phase
+from chaos.faults import VALUE_KINDS as _VALUE_KINDS, Phase
 
 __all__ = ["MatrixConfig", "MatrixResult", "run_matrix"]
 
@@ -28,6 +28,10 @@ SMALL_GPT = ("--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "1
 # Kinds the runtime cannot survive yet stay out of the default matrix (see the README's chaos section).
 UNSUPPORTED: tuple[str, ...] = (CORRUPT_CKPT,)
 _DURATIONS = {"slow": 1.0, "store-outage": 1.5}
+# Kinds whose recovery passes through the 'heal' phase (a new generation).
+RECOVERING = frozenset({"kill", "raise", "hang", "spin", "block", "term", "netbreak"})
+# Value faults act on the loss or the gradients of their step, whatever the phase: one column, like driver kinds.
+VALUE_KINDS = frozenset(k.value for k in _VALUE_KINDS)
 # A genuine loss spike is skipped by policy: the state cannot equal a run without it. Its own job, no bitwise check.
 NOT_BITWISE: frozenset[str] = frozenset({"spike"})
 # The quick matrix's phase per kind. A hang "at" the optimizer phase reads, to the hang detector, as a
@@ -79,11 +83,12 @@ class MatrixConfig:
 
     def cells(self) -> list[tuple[str, str]]:
         """(kind, phase) pairs; driver kinds have the phase '-'."""
+        single = set(DRIVER_KINDS) | VALUE_KINDS  # the phase does not apply: one column, '-'
         if self.quick:
-            return [(k, "-" if k in DRIVER_KINDS else QUICK_PHASES.get(k, self.phases[i % len(self.phases)]))
+            return [(k, "-" if k in single else QUICK_PHASES.get(k, self.phases[i % len(self.phases)]))
                     for i, k in enumerate(self.kinds)]
-        return [(k, "-") if k in DRIVER_KINDS else (k, p) for k in self.kinds for p in self.phases
-                if not (k in DRIVER_KINDS and p != self.phases[0])]
+        return [(k, "-") if k in single else (k, p) for k in self.kinds for p in self.phases
+                if not (k in single and p != self.phases[0])]
 
 
 @dataclass(kw_only=True)
@@ -121,10 +126,14 @@ def _scenario(config: MatrixConfig, name: str, group: list[tuple[str, str]], ste
     faults = []
     for j, (kind, phase) in enumerate(group):
         step = None if phase == "heal" else config.warmup_steps + j * config.steps_per_fault
+        if phase == "-" and kind in VALUE_KINDS:
+            phase = "forward"  # recorded, not used: value faults act on their step's loss or gradients
         faults.append(PlannedFault(kind=kind, ranks=(j % config.ranks,), phase=None if phase == "-" else phase,
                                    step=step, duration_s=_DURATIONS.get(kind)))
-    if all(p == "heal" for _, p in group):  # a fault in 'heal' needs a recovery: a raise on another rank starts one
-        faults.append(PlannedFault(kind="raise", ranks=(1 % config.ranks,), phase="forward", step=config.warmup_steps))
+    if any(p == "heal" for _, p in group) and not any(k in RECOVERING and p != "heal" for k, p in group):
+        # A fault in 'heal' needs a recovery to happen in: a raise on another rank, after the cells, starts one.
+        faults.append(PlannedFault(kind="raise", ranks=(1 % config.ranks,), phase="forward",
+                                   step=config.warmup_steps + len(group) * config.steps_per_fault))
     job = JobSpec(script=config.script, args=config.args, ranks=config.ranks, steps=steps, monitor=config.monitor)
     inv = config.invariants if _family(group[0][0]) == 0 else dataclasses.replace(config.invariants, bitwise=False)
     return Scenario(name=name, job=job, schedule=FixedSchedule(faults=tuple(faults)),
