@@ -105,6 +105,8 @@ def _follow(tl: FaultTimeline, f: PlannedFault, events: list[dict[str, Any]], en
             tl.detected, tl.detected_by = flagged[0]["time"], "monitor (straggler)"
         resume = end if end is not None else t0
         tl.recovered = _first_time(events, lambda e: e["event"] in ("step_done", "final_state_written") and e["time"] >= resume)
+        if tl.recovered is None:  # the run finished while the fault lasted
+            tl.recovered = _first_time(events, lambda e: e["event"] == "final_state_written", after=t0)
         return
     names = _DETECTED_BY.get(f.kind, _DETECTIONS)
     det = next((e for e in events if e["time"] >= t0 and e["event"] in names), None)
