@@ -190,6 +190,9 @@ class CheckpointManager:
             for entry, result in iter_valid(self.root, run_id=self.config.run_id):
                 if not isinstance(result, CheckpointError):
                     return entry.step
+                self._events.emit(
+                    "checkpoint_invalid", step=entry.step, file=result.file, reason=result.reason, rank=self.rank
+                )
             return None
         for entry in reversed(list_steps(self.root)):
             try:
