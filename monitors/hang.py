@@ -26,7 +26,7 @@ from typing import Any, Iterable
 from monitors.progress import ProgressReader, ProgressSnapshot
 from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS
 
-__all__ = ["Hang", "HangConfig", "HangDetector"]
+__all__ = ["Hang", "HangConfig", "HangDetector", "ranks_to_kill"]
 
 
 @dataclass(kw_only=True)
@@ -197,3 +197,19 @@ class HangDetector:
     def close(self) -> None:
         for reader in self._readers.values():
             reader.close()
+
+
+def ranks_to_kill(hangs: list[Hang], collective_sections: Iterable[str]) -> list[int]:
+    """The hung ranks to kill: never one merely waiting on a local peer, and,
+    when every hung rank waits in a collective, only the ones behind.
+
+    A rank that stopped just after an all-reduce still shows that all-reduce,
+    one step behind its peers waiting in the next one. Killing them all would
+    leave no rank holding a snapshot to resume from.
+    """
+    kill = [h for h in hangs if not h.blocked_by_peer]
+    collective = set(collective_sections)
+    if len(kill) > 1 and all(h.section in collective for h in kill):
+        lowest = min(h.step for h in kill)
+        kill = [h for h in kill if h.step == lowest]
+    return sorted(h.rank for h in kill)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from monitors.events import EventLog
-from monitors.hang import Hang, HangConfig, HangDetector
+from monitors.hang import Hang, HangConfig, HangDetector, ranks_to_kill
 from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
 from monitors.straggler import StragglerConfig, StragglerDetector, StragglerReport
 
@@ -128,7 +128,7 @@ class NodeMonitor:
     def poll(self, now: float | None = None) -> MonitorResult:
         now = time.monotonic() if now is None else now
         hangs = self.hangs.poll(now)
-        kill = [h.rank for h in hangs if not h.blocked_by_peer]
+        kill = ranks_to_kill(hangs, self.config.hang.collective_sections)
         for h in hangs:
             key = (h.rank, h.pid or 0, h.step)
             if key not in self._reported:

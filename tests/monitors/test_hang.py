@@ -145,3 +145,26 @@ def test_startup_window_and_reset_after_respawn(tmp_path, procs: Procs) -> None:
     wait_step(run, 0, 1, pid=p2.pid)
     assert det.poll() == []
     assert det.last[0] is not None and det.last[0].pid == p2.pid
+
+
+def _hang(rank: int, section: str, step: int, waiting_on: tuple[int, ...] = ()) -> "Hang":
+    from monitors.hang import Hang
+
+    return Hang(rank=rank, pid=1000 + rank, section=section, step=step, since_progress_s=5.0, timeout_s=3.0,
+                waiting_on=waiting_on)
+
+
+@pytest.mark.timeout(10)
+def test_the_rank_behind_in_a_collective_is_killed_not_its_waiting_peers():
+    from monitors.hang import ranks_to_kill
+
+    collective = ("all-reduce",)
+    # Rank 2 stopped right after step 7's all-reduce; ranks 0, 1, 3 wait in step 8's.
+    hangs = [_hang(0, "all-reduce", 8), _hang(1, "all-reduce", 8), _hang(2, "all-reduce", 7),
+             _hang(3, "all-reduce", 8)]
+    assert ranks_to_kill(hangs, collective) == [2]
+    # Everyone stuck in the same collective (a broken network): nothing to single out.
+    assert ranks_to_kill([_hang(0, "all-reduce", 8), _hang(1, "all-reduce", 8)], collective) == [0, 1]
+    # A rank waiting on a local peer outside the collective is spared; the peer is killed.
+    hangs = [_hang(0, "all-reduce", 8, waiting_on=(1,)), _hang(1, "forward", 8)]
+    assert ranks_to_kill(hangs, collective) == [1]
