@@ -119,16 +119,12 @@ class Supervisor(RerunSupport):
         self.store = connect_worker_store(self.env, timeout=timedelta(seconds=config.join_timeout_s))
         self._ring = SnapshotRing(2)
         self._watcher: GenerationWatcher | None = None
-        self._injector = Injector(
-            loads_faults(os.environ.get(envvars.RT_CHAOS, "")),
-            rank=self.env.rank,
-            claim=self._claim_fault,
-            announce=self._announce_fault,
-        )
+        faults = loads_faults(os.environ.get(envvars.RT_CHAOS, ""))
+        # Phase faults fire at phase boundaries; value faults change the loss or gradients.
+        self._injector = Injector(faults, rank=self.env.rank, claim=self._claim_fault, announce=self._announce_fault)
+        self._values = ValueFaults(faults, rank=self.env.rank, claim=self._claim_fault, announce=self._announce_fault)
         self._averager: GradientAverager
         self._timings: dict[str, float] = {}
-        self._values = ValueFaults(loads_faults(os.environ.get(envvars.RT_CHAOS, "")), rank=self.env.rank,
-                                   claim=self._claim_fault, announce=self._announce_fault)
         self._measured: list[torch.Tensor | None] = [None, None]  # this computation's loss, local grad norm
         self._rerun = self._make_rerun() if config.rerun.enabled else None
 
