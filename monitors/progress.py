@@ -15,7 +15,9 @@ processes of one host share):
   of completed steps written to the ring;
 - section statistics at 128: per section, count, total and largest duration;
 - ring at 512: the last ``RING`` completed steps, each with its step number,
-  end time, duration and per-section durations.
+  end time, duration, per-section wall-clock durations and, on a GPU rank,
+  per-section device durations (see ``monitors.device_timing``) with their
+  state: none, pending (events not completed yet) or ready.
 
 The writer brackets every update with an odd/even sequence number (a seqlock)
 and readers retry until they copy a consistent image. A new reporter creates
@@ -31,8 +33,12 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from monitors.sections import SECTIONS, Section, section_code
+
+if TYPE_CHECKING:
+    from monitors.device_timing import CudaSectionClock
 
 __all__ = [
     "ProgressReader",
@@ -43,7 +49,7 @@ __all__ = [
 ]
 
 MAGIC = b"RTP1"
-VERSION = 1
+VERSION = 2
 NSECT = len(SECTIONS)
 RING = 256
 FLAG_CLOSED = 1
@@ -53,8 +59,13 @@ _SEQ_OFF = 16
 _STATS_OFF = 128
 _STATS = struct.Struct("<" + "QQQ" * NSECT)
 _RING_OFF = 512
-_ENTRY = struct.Struct("<qqq" + "q" * NSECT)
+_ENTRY = struct.Struct("<qqqq" + "q" * NSECT + "q" * NSECT)  # step, end, duration, device state, wall, device
+_DEVICE_OFF = 32 + 8 * NSECT  # the device durations within an entry
+_DEVICE = struct.Struct("<" + "q" * NSECT)
+DEVICE_NONE, DEVICE_PENDING, DEVICE_READY = 0, 1, 2
 SLOT_SIZE = _RING_OFF + RING * _ENTRY.size
+_NO_DEVICE = (0,) * NSECT
+_RECOVERY = section_code(Section.RECOVERY)
 
 
 def progress_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -68,7 +79,14 @@ class StepRecord:
     step: int
     end_s: float
     step_s: float
-    sections_s: dict[str, float]
+    sections_s: dict[str, float]  # wall clock
+    device_sections_s: dict[str, float] | None = None  # CUDA events, on a GPU rank once they completed
+    device_pending: bool = False  # a GPU rank's step whose events had not completed when read
+
+    @property
+    def timed_sections_s(self) -> dict[str, float]:
+        """The best timing there is: the device's when the rank measured it, else the wall clock's."""
+        return self.device_sections_s if self.device_sections_s is not None else self.sections_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,12 +115,23 @@ class ProgressReporter:
     ``enter(section, step)`` marks that the main thread now does ``section`` of
     ``step``. Time spent in the previous section is charged to it; when ``step``
     grows, the previous step is recorded in the ring. A step number that goes
-    down (a rollback) drops the partial step.
+    down (a rollback) drops the partial step. A section cut short by a fault
+    (the next section is "recovery") is not an observation of its duration:
+    a rank waiting on a hung peer would otherwise teach the hang detector that
+    the all-reduce may take as long as the hang did.
+
+    With ``cuda_device``, every ``enter`` also records a CUDA event and each
+    step's entry gets per-section device times once its events complete.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int, *, cuda_device: Any = None) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
+        self._clock: CudaSectionClock | None = None
+        if cuda_device is not None:
+            from monitors.device_timing import CudaSectionClock
+
+            self._clock = CudaSectionClock(cuda_device, NSECT)
         self.rank = rank
         self.path = progress_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,21 +172,31 @@ class ProgressReporter:
         dt = now - self._t
         self._acc[prev] += dt
         st = self._stats
-        st[3 * prev] += 1
-        st[3 * prev + 1] += dt
-        if dt > st[3 * prev + 2]:
-            st[3 * prev + 2] = dt
+        if code != _RECOVERY:
+            st[3 * prev] += 1
+            st[3 * prev + 1] += dt
+            if dt > st[3 * prev + 2]:
+                st[3 * prev + 2] = dt
+        clock = self._clock
+        if clock is not None:
+            clock.mark(code)
         mm = self._mm
         self._seq += 1
         struct.pack_into("<Q", mm, _SEQ_OFF, self._seq)
         if step != self._step:
             if step > self._step >= 0:
-                slot = self._steps_done % RING
-                _ENTRY.pack_into(mm, _RING_OFF + slot * _ENTRY.size, self._step, now, now - self._step_t, *self._acc)
+                index = self._steps_done
+                device = DEVICE_PENDING if clock is not None and clock.end_step(index) else DEVICE_NONE
+                _ENTRY.pack_into(mm, _entry_offset(index), self._step, now, now - self._step_t, device,
+                                 *self._acc, *_NO_DEVICE)
                 self._steps_done += 1
+            elif clock is not None:
+                clock.discard_step()
             self._acc = [0] * NSECT
             self._step_t = now
             self._step = step
+        if clock is not None and clock.pending:
+            self._write_device_times(clock)
         self._code = code
         self._t = now
         self._counter += 1
@@ -167,6 +206,15 @@ class ProgressReporter:
             mm, 0, MAGIC, VERSION, self._pid, self._flags, self._seq, self._counter,
             step, code, 0, now, self._start, self._steps_done,
         )
+
+    def _write_device_times(self, clock: "CudaSectionClock") -> None:
+        # Inside enter's seqlock. Entries already overwritten in the ring are skipped.
+        for index, seconds in clock.ready():
+            if index < self._steps_done - RING:
+                continue
+            off = _entry_offset(index)
+            struct.pack_into("<q", self._mm, off + 24, DEVICE_READY)
+            _DEVICE.pack_into(self._mm, off + _DEVICE_OFF, *(round(x * 1e9) for x in seconds))
 
     def close(self) -> None:
         """Marks the slot closed (the rank finished): hang detection ignores it from now on."""
@@ -244,15 +292,23 @@ class ProgressReader:
         first = max(since, snap.steps_done - RING, 0)
         out = []
         for i in range(first, snap.steps_done):
-            step, end, dur, *secs = _ENTRY.unpack_from(snap.raw, _RING_OFF + (i % RING) * _ENTRY.size)
+            step, end, dur, device, *secs = _ENTRY.unpack_from(snap.raw, _entry_offset(i))
             out.append(StepRecord(
                 step=step, end_s=end / 1e9, step_s=dur / 1e9,
-                sections_s={name: ns / 1e9 for name, ns in zip(SECTIONS, secs)},
+                sections_s={name: ns / 1e9 for name, ns in zip(SECTIONS, secs[:NSECT])},
+                device_sections_s=(
+                    {name: ns / 1e9 for name, ns in zip(SECTIONS, secs[NSECT:])} if device == DEVICE_READY else None
+                ),
+                device_pending=device == DEVICE_PENDING,
             ))
         return out
 
     def close(self) -> None:
         self._unmap()
+
+
+def _entry_offset(index: int) -> int:
+    return _RING_OFF + (index % RING) * _ENTRY.size
 
 
 def _parse(rank: int, ino: int, raw: bytes) -> ProgressSnapshot | None:

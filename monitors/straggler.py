@@ -3,7 +3,8 @@
 Every ``report_interval_s`` the detector takes the steps each rank completed
 since the last report and computes, over the rank's own work (``sections``,
 by default data + forward + backward + optimizer, so time spent waiting for
-peers in a collective does not count):
+peers in a collective does not count), timed on the device with CUDA events
+on a GPU rank and by the wall clock otherwise (``monitors.device_timing``):
 
 - relative score = the best rank's median / this rank's median;
 - individual score = this rank's best interval median so far / its current one.
@@ -63,9 +64,10 @@ class RankScore:
     rank: int
     steps: int  # steps completed in this interval
     last_step: int
-    step_s: float  # median step time
+    step_s: float  # median step time (wall clock)
     work_s: float  # median time in the scored sections
     sections_s: dict[str, float]  # median per section
+    clock: str  # what timed the sections: "cuda" (events on the device) or "wall"
     relative: float
     individual: float
     intervals_below: int
@@ -145,7 +147,7 @@ class StragglerDetector:
         medians = {}
         for rank, records in fresh.items():
             if len(records) >= self.config.min_steps:
-                work = [sum(r.sections_s[s] for s in self.config.sections) for r in records]
+                work = [sum(r.timed_sections_s[s] for s in self.config.sections) for r in records]
                 medians[rank] = (records, statistics.median(work))
         best = min((m for _, m in medians.values()), default=0.0)
         scores: dict[int, RankScore] = {}
@@ -163,7 +165,8 @@ class StragglerDetector:
             scores[rank] = RankScore(
                 rank=rank, steps=len(records), last_step=records[-1].step,
                 step_s=statistics.median(r.step_s for r in records), work_s=work_s,
-                sections_s={s: statistics.median(r.sections_s[s] for r in records) for s in SECTIONS},
+                sections_s={s: statistics.median(r.timed_sections_s[s] for r in records) for s in SECTIONS},
+                clock="cuda" if records[-1].device_sections_s is not None else "wall",
                 relative=relative, individual=individual, intervals_below=below,
             )
             if below >= self.config.patience:
@@ -184,8 +187,11 @@ class StragglerDetector:
             ident, seen = self._cursor.get(rank, (None, 0))
             if ident != snap.identity:
                 seen = 0
-            out[rank] = reader.steps(snap, seen)
-            self._cursor[rank] = (snap.identity, snap.steps_done)
+            records = reader.steps(snap, seen)
+            # A GPU step is scored once its CUDA events completed: stop at the first still pending.
+            done = next((i for i, r in enumerate(records) if r.device_pending), len(records))
+            out[rank] = records[:done]
+            self._cursor[rank] = (snap.identity, snap.steps_done - (len(records) - done))
         return out
 
     def close(self) -> None:

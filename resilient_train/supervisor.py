@@ -115,7 +115,12 @@ class Supervisor(RerunSupport):
         self.run_dir = Path(run_dir) if run_dir else None
         self.events = EventLog(self.run_dir / "events.jsonl" if self.run_dir else None, source=f"rank{self.env.rank}")
         # Written by the main thread only, at every phase change: the agent's hang detector reads it.
-        self.progress = ProgressReporter(self.run_dir, self.env.rank) if self.run_dir else None
+        # On a GPU it also times each section on the device with CUDA events (straggler scores use them).
+        self.progress = (
+            ProgressReporter(self.run_dir, self.env.rank,
+                             cuda_device=self.device if self.device.type == "cuda" else None)
+            if self.run_dir else None
+        )
         self.store = connect_worker_store(self.env, timeout=timedelta(seconds=config.join_timeout_s))
         self._ring = SnapshotRing(2)
         self._watcher: GenerationWatcher | None = None
@@ -301,13 +306,15 @@ class Supervisor(RerunSupport):
         while state.step < self.config.steps:
             ctx.step = state.step
             out = self._compute(step_fn, state.step, self.env.rank)
+            # Settling, validating and snapshotting are the runtime's work, not the optimizer's.
+            self._progress(Phase.BETWEEN_STEPS.value, ctx.step)
             self._settle_step()
             if self._rerun is not None:
                 self._after_step(step_fn, out)  # may re-run the step, roll it back (skip), or stop
             state.step += 1
             self._snapshot()
             if self.disk is not None:
-                self._progress("checkpoint", state.step)
+                self._progress("checkpoint", ctx.step)  # still step ctx.step's time: its save
                 self.disk.maybe_save(state)
             if self.env.rank == 0:
                 self.events.emit("step_done", step=state.step, loss=as_float(out), generation=self.generation)

@@ -168,3 +168,29 @@ def test_the_rank_behind_in_a_collective_is_killed_not_its_waiting_peers():
     # A rank waiting on a local peer outside the collective is spared; the peer is killed.
     hangs = [_hang(0, "all-reduce", 8, waiting_on=(1,)), _hang(1, "forward", 8)]
     assert ranks_to_kill(hangs, collective) == [1]
+
+
+@pytest.mark.timeout(30)
+def test_a_section_cut_short_by_a_fault_does_not_grow_the_computed_timeout(tmp_path) -> None:
+    """Peers waiting on a hung rank leave their all-reduce for recovery: that wait is
+    not an observation of how long an all-reduce takes."""
+    from monitors.progress import ProgressReporter
+
+    rep = ProgressReporter(tmp_path, 0)
+    for step in range(12):
+        for section in ("data", "forward", "backward", "all-reduce", "optimizer"):
+            rep.enter(section, step)
+    rep.enter("all-reduce", 12)
+    time.sleep(0.3)  # a peer hangs; the agent kills it; this rank's collective fails
+    rep.enter("recovery", 12)
+    rep.enter("data", 12)
+    reader = ProgressReader(str(tmp_path), 0)
+    snap = reader.read()
+    completed = [r.sections_s["all-reduce"] for r in reader.steps(snap, 0)]
+    assert len(completed) == 12
+    assert snap.section_count["all-reduce"] == 12  # the interrupted one is not counted
+    assert snap.section_max_s["all-reduce"] == max(completed)
+    det = HangDetector(HangConfig(min_observations=10, min_timeout=1e-9), str(tmp_path), [0])
+    det.poll()
+    assert det.timeout("all-reduce") == pytest.approx(5.0 * max(completed))
+    rep.close()

@@ -146,6 +146,8 @@ def test_progress_slot_records_steps_and_survives_respawn(tmp_path) -> None:
     assert [r.step for r in records] == [0, 1, 2, 3, 2]
     assert records[-1].sections_s["recovery"] > 0 and records[-1].sections_s["forward"] == 0
     assert snap.section_count["forward"] == 5 and snap.section_count["recovery"] == 1
+    assert snap.section_count["optimizer"] == 4  # step 4's was cut short by the fault
+    assert all(r.device_sections_s is None and not r.device_pending for r in records)  # CPU: wall clock only
     with pytest.raises(ValueError, match="unknown section"):
         rep.enter("nap", 3)
     again = ProgressReporter(tmp_path, 3)  # the rank respawned

@@ -1,0 +1,101 @@
+"""Section timing on the GPU with CUDA events: what a rank's kernels took, not its launches.
+
+On a GPU the Python code of a step only queues kernels. The wall-clock time of
+"forward" is the time to launch it, and the real work shows up wherever the
+CPU next waits (a synchronisation in the optimizer, the all-reduce, the step's
+end). Scoring stragglers on wall-clock sections would blame the wrong section
+and, when every rank waits for the slowest one in a collective, the wrong rank.
+
+``CudaSectionClock`` records one CUDA event on the current stream at every
+section change. The time between two consecutive events is the section's time
+on the device. Events are never waited for: a finished step is queued, and
+``ready()`` hands back the steps whose events have all completed (``query()``),
+usually one step later. Recording an event costs a few microseconds and needs
+no CUPTI.
+
+The progress reporter drives the clock (``monitors.progress``); nothing else
+needs to call it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CudaSectionClock"]
+
+# Steps whose events have not completed yet; beyond this the oldest are dropped
+# (a device that stopped making progress, which hang detection handles).
+MAX_PENDING = 64
+
+
+@dataclass
+class _Step:
+    token: int  # the caller's name for the step (its ring index)
+    marks: list[tuple[int, Any]]  # (section code, start event)
+    end: Any  # the event that starts the next step
+
+
+class CudaSectionClock:
+    """Per-section device time from CUDA events, read without synchronising."""
+
+    def __init__(self, device: Any, nsections: int) -> None:
+        import torch  # only GPU ranks pay for the import here
+
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"CudaSectionClock needs a CUDA device, got {device}")
+        self._torch = torch
+        self._device = torch.device(device)
+        self._nsections = nsections
+        self._open: list[tuple[int, Any]] = []  # marks of the step in progress
+        self._pending: deque[_Step] = deque()
+        self._free: list[Any] = []  # events of resolved steps, reused
+
+    def mark(self, code: int) -> None:
+        """Section ``code`` starts now on the device's current stream."""
+        ev = self._free.pop() if self._free else self._torch.cuda.Event(enable_timing=True)
+        ev.record(self._torch.cuda.current_stream(self._device))
+        self._open.append((code, ev))
+
+    def end_step(self, token: int) -> bool:
+        """The mark just made starts a new step: queue the previous one under ``token``.
+
+        False when there was nothing to time (no mark before this one).
+        """
+        if len(self._open) < 2:
+            self._open = self._open[-1:]
+            return False
+        *marks, first = self._open
+        self._pending.append(_Step(token=token, marks=marks, end=first[1]))
+        self._open = [first]
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()
+        return True
+
+    def discard_step(self) -> None:
+        """The step in progress was rolled back: forget its marks but the newest.
+
+        Its events are not reused: the first may still end a queued step.
+        """
+        self._open = self._open[-1:]
+
+    def ready(self) -> list[tuple[int, list[float]]]:
+        """``(token, seconds per section code)`` for queued steps whose events completed, oldest first."""
+        out = []
+        while self._pending:
+            step = self._pending[0]
+            if not step.end.query() or not all(ev.query() for _, ev in step.marks):
+                break
+            self._pending.popleft()
+            seconds = [0.0] * self._nsections
+            bounds = [ev for _, ev in step.marks] + [step.end]
+            for (code, start), end in zip(step.marks, bounds[1:]):
+                seconds[code] += start.elapsed_time(end) / 1e3  # milliseconds
+            out.append((step.token, seconds))
+            self._free.extend(ev for _, ev in step.marks)
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
