@@ -14,7 +14,17 @@
 3. NVRx's ``ft_launcher`` on the same hang, side by side: bench/hang_latency.py
    (needs ``pip install nvidia-resiliency-ext==0.4.1``, the ``nvrx`` extra).
 
-Run: ``python bench/monitor_overhead.py [--blocks 20] [--steps-per-block 10] [--hang-runs 2]``.
+4. GPU (``--device cuda``): the same step on one GPU, bigger, each step ending
+   with a synchronisation so its time is the GPU's. Modes interleaved in
+   blocks: off; ours (the progress slot with CUDA events at each phase change,
+   the NodeMonitor polling from another process); and, when
+   nvidia-resiliency-ext is importable, NVRx's straggler ``Detector`` with its
+   CUPTI kernel profiling on every section (``profile_cuda=True``,
+   ``profiling_interval=1``) and ``generate_report_if_interval_elapsed`` after
+   every step on a one-rank process group.
+
+Run: ``python bench/monitor_overhead.py [--blocks 20] [--steps-per-block 10] [--hang-runs 2]``;
+on a GPU: ``python bench/monitor_overhead.py --device cuda --hang-runs 0``.
 """
 
 from __future__ import annotations
@@ -118,6 +128,94 @@ def overhead(blocks: int, steps_per_block: int) -> dict[str, float]:
             "steps_each": len(times[True]), "enter_us": enter_us, "hang_poll_us_per_rank": poll_us}
 
 
+def overhead_gpu(blocks: int, steps_per_block: int) -> dict[str, dict[str, float]]:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from train_gpt import GPT, GPTConfig, batch
+
+    from monitors import ProgressReporter
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    cfg = GPTConfig(d_model=512, layers=4, heads=8, seq_len=256)
+    model = GPT(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run_dir = tempfile.mkdtemp(prefix="monitor-bench-gpu-")
+    rep = ProgressReporter(run_dir, 0, cuda_device=dev)
+    ctx = mp.get_context("spawn")
+    active, stop = ctx.Event(), ctx.Event()
+    mon = ctx.Process(target=_monitor_process, args=(run_dir, active, stop), daemon=True)
+    mon.start()
+
+    modes = ["off", "ours"]
+    detector = None
+    if importlib.util.find_spec("nvidia_resiliency_ext") is not None:
+        from nvidia_resiliency_ext import straggler
+
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
+        straggler.Detector.initialize(scores_to_compute="all", gather_on_rank0=True, profiling_interval=1,
+                                      report_time_interval=1.0)
+        detector = straggler.Detector
+        modes.append("nvrx")
+
+    def step(i: int, mode: str) -> float:
+        sections = iter(PHASES)
+        open_cm = None
+
+        def enter() -> None:
+            nonlocal open_cm
+            name = next(sections)
+            if mode == "ours":
+                rep.enter(name, i)
+            elif mode == "nvrx":
+                if open_cm is not None:
+                    open_cm.__exit__(None, None, None)
+                open_cm = detector.detection_section(name, profile_cuda=True) if name != "between-steps" else None
+                if open_cm is not None:
+                    open_cm.__enter__()
+
+        t0 = time.perf_counter()
+        enter()  # data
+        x, y = batch(0, i, 0, size=16, cfg=cfg, device=dev)
+        enter()  # forward
+        loss = model(x, y)
+        enter()  # backward
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        enter()  # all-reduce (none: one GPU)
+        enter()  # optimizer
+        opt.step()
+        enter()  # between-steps
+        if mode == "nvrx":
+            detector.generate_report_if_interval_elapsed()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for i in range(10):  # warm-up, every mode
+        step(i, modes[i % len(modes)])
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    i = 10
+    for b in range(blocks * len(modes) // 2):
+        mode = modes[b % len(modes)]
+        (active.set if mode == "ours" else active.clear)()
+        for _ in range(steps_per_block):
+            times[mode].append(step(i, mode))
+            i += 1
+    stop.set()
+    mon.join(timeout=10)
+    rep.close()
+    if detector is not None:
+        detector.shutdown()
+        dist.destroy_process_group()
+    off = statistics.median(times["off"])
+    return {m: {"step_s": statistics.median(t), "overhead_pct": 100 * (statistics.median(t) / off - 1),
+                "steps": len(t)} for m, t in times.items()}
+
+
 def hang_latency(runs: int) -> list[dict[str, float]]:
     out = []
     for r in range(runs):
@@ -147,7 +245,20 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=20)
     p.add_argument("--steps-per-block", type=int, default=10)
     p.add_argument("--hang-runs", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args()
+    if args.device == "cuda":
+        g = overhead_gpu(args.blocks, args.steps_per_block)
+        off = g["off"]["step_s"]
+        print(f"GPU overhead: GPT step (d_model 512, 4 layers, batch 16x256, AdamW), synchronised, "
+              f"median of {g['off']['steps']} steps per mode, interleaved")
+        for mode, r in g.items():
+            label = {"off": "monitors off", "ours": "ours: progress slot + CUDA events + NodeMonitor",
+                     "nvrx": "NVRx straggler Detector, CUPTI on every section"}[mode]
+            print(f"  {label:<52} {r['step_s'] * 1e3:8.3f} ms  {r['overhead_pct']:+6.2f}%  "
+                  f"({r['step_s'] / off:.4f}x off)")
+        if "nvrx" not in g:
+            print("  NVRx: nvidia-resiliency-ext is not importable; its CUPTI detector was not measured")
     o = overhead(args.blocks, args.steps_per_block)
     print(f"overhead: GPT step (d_model 128, 2 layers, batch 8x64, 1 thread) median "
           f"{o['step_off_s'] * 1e3:.2f} ms off, {o['step_on_s'] * 1e3:.2f} ms on "

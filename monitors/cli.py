@@ -131,7 +131,9 @@ def status_main(argv: list[str], out: TextIO | None = None) -> int:
     ctl = read_control(run)
     on = "on" if ctl.enabled is not False and (last_report or {}).get("enabled", True) else "off"
     thr = ctl.threshold if ctl.threshold is not None else (last_report or {}).get("threshold")
-    w(f"straggler detection: {on}, threshold {_fmt(thr, 'g')}; "
+    clocks = sorted({sc.get("clock", "wall") for sc in scores.values()})
+    timed = " and ".join({"cuda": "CUDA events", "wall": "the wall clock"}.get(c, c) for c in clocks)
+    w(f"straggler detection: {on}, threshold {_fmt(thr, 'g')}{f', sections timed by {timed}' if timed else ''}; "
       f"reports: {len(kinds.get('straggler_report', []))}; flagged: "
       + (", ".join(f"rank {d['rank']} ({d.get('action')}, relative {d.get('relative', 0):.2f})"
                    for d in kinds.get("straggler_detected", [])) or "none"))

@@ -6,7 +6,7 @@ It never kills or respawns anything itself.
 
 Events written: ``hang_detected`` (rank, pid, section, step, since_progress_s,
 timeout_s, waiting_on), ``straggler_report`` (interval, enabled, threshold,
-scores), ``straggler_detected`` (rank, action, relative, individual,
+scores: per rank, its scores, medians, the clock that timed it and its sections), ``straggler_detected`` (rank, action, relative, individual,
 intervals_below).
 """
 
@@ -143,7 +143,8 @@ class NodeMonitor:
                 threshold=report.threshold, control_read_at=report.control_read_at,
                 scores={str(r): {"relative": round(s.relative, 4), "individual": round(s.individual, 4),
                                  "step_s": round(s.step_s, 6), "work_s": round(s.work_s, 6),
-                                 "steps": s.steps, "last_step": s.last_step}
+                                 "steps": s.steps, "last_step": s.last_step, "clock": s.clock,
+                                 "sections_s": {k: round(v, 6) for k, v in s.sections_s.items() if v > 0}}
                         for r, s in report.scores.items()},
             )
             for d in report.flagged:
@@ -189,8 +190,9 @@ class NodeMonitor:
                            help="1 while the rank is flagged as a straggler"),
                 ]
                 out += [Sample(name="resilient_train_section_seconds", value=v,
-                               labels={"rank": str(rank), "section": sec},
-                               help="median time per step in a section") for sec, v in s.sections_s.items() if v > 0]
+                               labels={"rank": str(rank), "section": sec, "clock": s.clock},
+                               help="median time per step in a section, on the device (cuda) or wall clock")
+                        for sec, v in s.sections_s.items() if v > 0]
         return out
 
     def _publish(self, report: StragglerReport, now: float) -> None:

@@ -25,6 +25,7 @@ from chaos import Fault, Injector, Phase, loads_faults
 from chaos.values import ValueFaults
 from checkpointing import CheckpointConfig
 from monitors import EventLog, ProgressReporter
+from monitors.cupti_kernels import CuptiConfig, CuptiKernelScores
 from resilient_train import env as envvars
 from resilient_train.dataparallel import GradientAverager
 from resilient_train.disk import DiskCheckpoints
@@ -57,6 +58,8 @@ class SupervisorConfig:
     checkpoint: CheckpointConfig | None = None  # disk checkpoints (see resilient_train.disk)
     watch_interval_s: float = 0.05
     rerun: RerunConfig = field(default_factory=RerunConfig)  # result validation and re-runs (resilient_train.rerun)
+    # NVRx's CUPTI kernel scores, reported as events (needs the nvrx extra and CUDA; monitors.cupti_kernels)
+    cupti: CuptiConfig | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -132,6 +135,7 @@ class Supervisor(RerunSupport):
         self._timings: dict[str, float] = {}
         self._measured: list[torch.Tensor | None] = [None, None]  # this computation's loss, local grad norm
         self._rerun = self._make_rerun() if config.rerun.enabled else None
+        self._cupti = CuptiKernelScores(config.cupti) if config.cupti is not None else None
 
     # ----------------------------------------------------------------- setup
     def _pick_device(self) -> torch.device:
@@ -194,6 +198,8 @@ class Supervisor(RerunSupport):
             self._destroy_group()
             if self.progress is not None:
                 self.progress.close()
+            if self._cupti is not None:
+                self._cupti.close()
             if self.disk is not None:
                 self.disk.close()
         if self._rerun is not None:
@@ -313,6 +319,8 @@ class Supervisor(RerunSupport):
                 self._after_step(step_fn, out)  # may re-run the step, roll it back (skip), or stop
             state.step += 1
             self._snapshot()
+            if self._cupti is not None and self._cupti.due(state.step):
+                self._kernel_report(state.step)
             if self.disk is not None:
                 self._progress("checkpoint", ctx.step)  # still step ctx.step's time: its save
                 self.disk.maybe_save(state)
@@ -364,6 +372,13 @@ class Supervisor(RerunSupport):
     def _progress(self, section: str, step: int) -> None:
         if self.progress is not None:
             self.progress.enter(section, step)
+        if self._cupti is not None:
+            self._cupti.enter(section)
+
+    def _kernel_report(self, step: int) -> None:
+        report = self._cupti.report(step)  # type: ignore[union-attr]  # collective: every rank, same step
+        if report is not None:
+            self.events.emit("kernel_straggler_report", source="nvrx-cupti", **report)
 
     # --------------------------------------------------------------- finish
     def _finish(self) -> None:

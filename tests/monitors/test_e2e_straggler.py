@@ -102,3 +102,47 @@ def test_switching_off_and_on_in_a_running_job_takes_effect_within_one_interval(
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices (NCCL): run on a GPU machine")
+def test_gpu_rank_with_slower_kernels_is_flagged_by_device_time(tmp_path) -> None:
+    """The slow rank's extra work is a kernel the CPU only queues: its wall-clock
+    sections look like everyone's, its CUDA-event sections do not."""
+    run = tmp_path / "run"
+    cfg = _monitor_config(tmp_path)
+    p = cli("run", "--nproc-per-node", "2", "--run-dir", str(run), "--monitor-config", str(cfg), str(JOB),
+            "--gpu-work", "--work-s", "0.02", "--steps", "200", "--slow-rank", "1", "--slow-from", "20", timeout=280)
+    job = Job(p.returncode, p.stdout, p.stderr, run)
+    assert job.returncode == 0, job.stderr[-3000:]
+    reports = [r for r in job.of("straggler_report") if len(r["scores"]) == 2]
+    assert reports and all(sc["clock"] == "cuda" for r in reports for sc in r["scores"].values())
+    first_slow = next(r["interval"] for r in reports if r["scores"]["1"]["last_step"] >= 20)
+    detected = job.of("straggler_detected")
+    assert [d["rank"] for d in detected] == [1], detected
+    assert detected[0]["interval"] - first_slow + 1 <= 3, (detected, first_slow)
+    last = reports[-1]["scores"]
+    assert last["1"]["sections_s"]["forward"] == pytest.approx(1.5 * last["0"]["sections_s"]["forward"], rel=0.2)
+    out = io.StringIO()
+    assert status_main([str(run)], out=out) == 0
+    assert "sections timed by CUDA events" in out.getvalue() and "flagged: rank 1" in out.getvalue()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(__import__("importlib").util.find_spec("nvidia_resiliency_ext") is None
+                    or not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+                    reason="needs nvidia-resiliency-ext (the nvrx extra) and 2 CUDA devices: run on a GPU machine")
+def test_nvrx_cupti_backend_scores_the_slow_gpu_kernel_by_kernel(tmp_path) -> None:
+    run = tmp_path / "run"
+    cfg = _monitor_config(tmp_path)
+    p = cli("run", "--nproc-per-node", "2", "--run-dir", str(run), "--monitor-config", str(cfg), str(JOB),
+            "--gpu-work", "--work-s", "0.02", "--steps", "120", "--slow-rank", "1", "--slow-from", "20",
+            "--cupti-every", "40", timeout=280)
+    job = Job(p.returncode, p.stdout, p.stderr, run)
+    assert job.returncode == 0, job.stderr[-3000:]
+    reports = job.of("kernel_straggler_report")
+    assert [r["step"] for r in reports] == [40, 80, 120], reports
+    last = reports[-1]
+    assert last["gpu_relative"]["0"] == 1.0 and last["gpu_relative"]["1"] < 0.75, last
+    assert last["stragglers_relative"] == [1], last
