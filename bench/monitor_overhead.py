@@ -150,7 +150,7 @@ def overhead_gpu(blocks: int, steps_per_block: int) -> dict[str, dict[str, float
     mon = ctx.Process(target=_monitor_process, args=(run_dir, active, stop), daemon=True)
     mon.start()
 
-    modes = ["off", "ours"]
+    modes = ["off", "ours", "off-again"]  # "off-again" is "off" under another name: the noise floor (A/A)
     detector = None
     if importlib.util.find_spec("nvidia_resiliency_ext") is not None:
         from nvidia_resiliency_ext import straggler
@@ -207,13 +207,29 @@ def overhead_gpu(blocks: int, steps_per_block: int) -> dict[str, dict[str, float
             i += 1
     stop.set()
     mon.join(timeout=10)
+    n = 60_000
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for k in range(n):
+        rep.enter(PHASES[k % 6], i + k // 6)
+    enter_us = (time.perf_counter() - t0) / n * 1e6
+    plain = ProgressReporter(run_dir, 1)
+    t0 = time.perf_counter()
+    for k in range(n):
+        plain.enter(PHASES[k % 6], k // 6)
+    plain_us = (time.perf_counter() - t0) / n * 1e6
+    plain.close()
     rep.close()
     if detector is not None:
         detector.shutdown()
         dist.destroy_process_group()
     off = statistics.median(times["off"])
-    return {m: {"step_s": statistics.median(t), "overhead_pct": 100 * (statistics.median(t) / off - 1),
-                "steps": len(t)} for m, t in times.items()}
+    out: dict[str, dict[str, float]] = {
+        m: {"step_s": statistics.median(t), "overhead_pct": 100 * (statistics.median(t) / off - 1), "steps": len(t)}
+        for m, t in times.items()
+    }
+    out["enter"] = {"cuda_us": enter_us, "wall_only_us": plain_us}
+    return out
 
 
 def hang_latency(runs: int) -> list[dict[str, float]]:
@@ -249,14 +265,19 @@ def main() -> int:
     args = p.parse_args()
     if args.device == "cuda":
         g = overhead_gpu(args.blocks, args.steps_per_block)
+        enter = g.pop("enter")
         off = g["off"]["step_s"]
         print(f"GPU overhead: GPT step (d_model 512, 4 layers, batch 16x256, AdamW), synchronised, "
               f"median of {g['off']['steps']} steps per mode, interleaved")
         for mode, r in g.items():
-            label = {"off": "monitors off", "ours": "ours: progress slot + CUDA events + NodeMonitor",
+            label = {"off": "monitors off", "off-again": "monitors off again (A/A: the noise floor)",
+                     "ours": "ours: progress slot + CUDA events + NodeMonitor",
                      "nvrx": "NVRx straggler Detector, CUPTI on every section"}[mode]
             print(f"  {label:<52} {r['step_s'] * 1e3:8.3f} ms  {r['overhead_pct']:+6.2f}%  "
                   f"({r['step_s'] / off:.4f}x off)")
+        print(f"  ProgressReporter.enter on this host: {enter['cuda_us']:.2f} us with CUDA events, "
+              f"{enter['wall_only_us']:.2f} us wall clock only; 6 per step = "
+              f"{100 * 6 * enter['cuda_us'] * 1e-6 / off:.3f}% of the step")
         if "nvrx" not in g:
             print("  NVRx: nvidia-resiliency-ext is not importable; its CUPTI detector was not measured")
     o = overhead(args.blocks, args.steps_per_block)

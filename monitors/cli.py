@@ -100,7 +100,9 @@ def status_main(argv: list[str], out: TextIO | None = None) -> int:
           f"{end_t - start['time']:.1f} s {'total' if ended else 'so far'}")
 
     last_report = kinds.get("straggler_report", [None])[-1]
-    scores = (last_report or {}).get("scores", {})
+    # The newest report that scored someone (the one after the ranks finished scores nobody).
+    scored = next((r for r in reversed(kinds.get("straggler_report", [])) if r.get("scores")), None)
+    scores = (scored or {}).get("scores", {})
     slot_ranks = sorted(int(m.group(1)) for f in (run / ".monitors").glob("rank*.progress")
                         if (m := re.fullmatch(r"rank(\d+)\.progress", f.name)))
     ranks = sorted(set(slot_ranks) | {int(r) for r in scores})

@@ -9,8 +9,9 @@ and, when every rank waits for the slowest one in a collective, the wrong rank.
 ``CudaSectionClock`` records one CUDA event on the current stream at every
 section change. The time between two consecutive events is the section's time
 on the device. Events are never waited for: a finished step is queued, and
-``ready()`` hands back the steps whose events have all completed (``query()``),
-usually one step later. Recording an event costs a few microseconds and needs
+``ready()`` hands back the steps whose events have all completed (``query()``);
+the progress reporter asks at each step boundary, so a step's device times
+land in its ring entry one or two steps later. Recording an event costs a few microseconds and needs
 no CUPTI.
 
 The progress reporter drives the clock (``monitors.progress``); nothing else
@@ -47,6 +48,11 @@ class CudaSectionClock:
             raise ValueError(f"CudaSectionClock needs a CUDA device, got {device}")
         self._torch = torch
         self._device = torch.device(device)
+        self._index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+        # The current stream, looked up cheaply by its raw handle; the Stream object is rebuilt only on a change.
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._stream_handle: int | None = None
+        self._stream: Any = None
         self._nsections = nsections
         self._open: list[tuple[int, Any]] = []  # marks of the step in progress
         self._pending: deque[_Step] = deque()
@@ -55,7 +61,11 @@ class CudaSectionClock:
     def mark(self, code: int) -> None:
         """Section ``code`` starts now on the device's current stream."""
         ev = self._free.pop() if self._free else self._torch.cuda.Event(enable_timing=True)
-        ev.record(self._torch.cuda.current_stream(self._device))
+        handle = self._raw_stream(self._index) if self._raw_stream is not None else None
+        if handle is None or handle != self._stream_handle:
+            self._stream = self._torch.cuda.current_stream(self._device)
+            self._stream_handle = handle
+        ev.record(self._stream)
         self._open.append((code, ev))
 
     def end_step(self, token: int) -> bool:

@@ -178,8 +178,8 @@ class ProgressReporter:
             if dt > st[3 * prev + 2]:
                 st[3 * prev + 2] = dt
         clock = self._clock
-        if clock is not None:
-            clock.mark(code)
+        if clock is not None and (code != prev or step != self._step):
+            clock.mark(code)  # re-entering the section it is in adds no boundary
         mm = self._mm
         self._seq += 1
         struct.pack_into("<Q", mm, _SEQ_OFF, self._seq)
@@ -195,8 +195,8 @@ class ProgressReporter:
             self._acc = [0] * NSECT
             self._step_t = now
             self._step = step
-        if clock is not None and clock.pending:
-            self._write_device_times(clock)
+            if clock is not None and clock.pending:
+                self._write_device_times(clock)
         self._code = code
         self._t = now
         self._counter += 1
@@ -220,6 +220,11 @@ class ProgressReporter:
         """Marks the slot closed (the rank finished): hang detection ignores it from now on."""
         if self._mm.closed:
             return
+        if self._clock is not None and self._clock.pending:
+            self._seq += 1  # odd: readers wait while the device times go in
+            struct.pack_into("<Q", self._mm, _SEQ_OFF, self._seq)
+            self._write_device_times(self._clock)
+            self._seq += 1
         self._flags |= FLAG_CLOSED
         self._seq += 2
         self._write_header()
