@@ -62,7 +62,9 @@ _RING_OFF = 512
 _ENTRY = struct.Struct("<qqqq" + "q" * NSECT + "q" * NSECT)  # step, end, duration, device state, wall, device
 _DEVICE_OFF = 32 + 8 * NSECT  # the device durations within an entry
 _DEVICE = struct.Struct("<" + "q" * NSECT)
-DEVICE_NONE, DEVICE_PENDING, DEVICE_READY = 0, 1, 2
+# A GPU rank's step is "skipped" when the clock did not time it (see CudaSectionClock's min_gap_s).
+DEVICE_NONE, DEVICE_PENDING, DEVICE_READY, DEVICE_SKIPPED = 0, 1, 2, 3
+_DEVICE_STATES = {"none": DEVICE_NONE, "pending": DEVICE_PENDING, "skipped": DEVICE_SKIPPED}
 SLOT_SIZE = _RING_OFF + RING * _ENTRY.size
 _NO_DEVICE = (0,) * NSECT
 _RECOVERY = section_code(Section.RECOVERY)
@@ -82,6 +84,7 @@ class StepRecord:
     sections_s: dict[str, float]  # wall clock
     device_sections_s: dict[str, float] | None = None  # CUDA events, on a GPU rank once they completed
     device_pending: bool = False  # a GPU rank's step whose events had not completed when read
+    device_skipped: bool = False  # a GPU rank's step that was not timed on the device (sampling)
 
     @property
     def timed_sections_s(self) -> dict[str, float]:
@@ -120,18 +123,22 @@ class ProgressReporter:
     a rank waiting on a hung peer would otherwise teach the hang detector that
     the all-reduce may take as long as the hang did.
 
-    With ``cuda_device``, every ``enter`` also records a CUDA event and each
-    step's entry gets per-section device times once its events complete.
+    With ``cuda_device``, a timed step's every ``enter`` also records a CUDA
+    event, and its entry gets per-section device times once its events
+    complete. Steps are timed at least ``cuda_min_gap_s`` apart (every step
+    when they are longer): short steps are sampled to bound the cost.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], rank: int, *, cuda_device: Any = None) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike[str], rank: int, *, cuda_device: Any = None, cuda_min_gap_s: float = 0.05
+    ) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self._clock: CudaSectionClock | None = None
         if cuda_device is not None:
             from monitors.device_timing import CudaSectionClock
 
-            self._clock = CudaSectionClock(cuda_device, NSECT)
+            self._clock = CudaSectionClock(cuda_device, NSECT, min_gap_s=cuda_min_gap_s)
         self.rank = rank
         self.path = progress_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,25 +185,25 @@ class ProgressReporter:
             if dt > st[3 * prev + 2]:
                 st[3 * prev + 2] = dt
         clock = self._clock
-        if clock is not None and (code != prev or step != self._step):
-            clock.mark(code)  # re-entering the section it is in adds no boundary
         mm = self._mm
         self._seq += 1
         struct.pack_into("<Q", mm, _SEQ_OFF, self._seq)
         if step != self._step:
             if step > self._step >= 0:
                 index = self._steps_done
-                device = DEVICE_PENDING if clock is not None and clock.end_step(index) else DEVICE_NONE
+                device = _DEVICE_STATES[clock.boundary(code, now, index)] if clock is not None else DEVICE_NONE
                 _ENTRY.pack_into(mm, _entry_offset(index), self._step, now, now - self._step_t, device,
                                  *self._acc, *_NO_DEVICE)
                 self._steps_done += 1
             elif clock is not None:
-                clock.discard_step()
+                clock.boundary(code, now, None)  # a rollback or the first step: nothing completed
             self._acc = [0] * NSECT
             self._step_t = now
             self._step = step
             if clock is not None and clock.pending:
                 self._write_device_times(clock)
+        elif clock is not None and code != prev:  # re-entering the section it is in adds no boundary
+            clock.section(code)
         self._code = code
         self._t = now
         self._counter += 1
@@ -305,6 +312,7 @@ class ProgressReader:
                     {name: ns / 1e9 for name, ns in zip(SECTIONS, secs[NSECT:])} if device == DEVICE_READY else None
                 ),
                 device_pending=device == DEVICE_PENDING,
+                device_skipped=device == DEVICE_SKIPPED,
             ))
         return out
 

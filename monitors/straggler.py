@@ -157,11 +157,13 @@ class StragglerDetector:
             self._best[rank] = min(self._best.get(rank, work_s), work_s)
             individual = _ratio(self._best[rank], work_s)
             values = {"relative": relative, "individual": individual}
-            if any(values[s] < threshold for s in self.config.scores):
+            # A rank scored alone has no one to be compared with: its relative score says nothing.
+            judged = [s for s in self.config.scores if s != "relative" or len(medians) >= 2]
+            if any(values[s] < threshold for s in judged):
                 self._below[rank] = self._below.get(rank, 0) + 1
-            else:
+            elif judged:
                 self._below[rank] = 0
-            below = self._below[rank]
+            below = self._below.get(rank, 0)
             scores[rank] = RankScore(
                 rank=rank, steps=len(records), last_step=records[-1].step,
                 step_s=statistics.median(r.step_s for r in records), work_s=work_s,
@@ -190,7 +192,8 @@ class StragglerDetector:
             records = reader.steps(snap, seen)
             # A GPU step is scored once its CUDA events completed: stop at the first still pending.
             done = next((i for i, r in enumerate(records) if r.device_pending), len(records))
-            out[rank] = records[:done]
+            # Steps a GPU rank did not time on the device are not scored: wall and device times do not mix.
+            out[rank] = [r for r in records[:done] if not r.device_skipped]
             self._cursor[rank] = (snap.identity, snap.steps_done - (len(records) - done))
         return out
 

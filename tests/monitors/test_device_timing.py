@@ -27,10 +27,11 @@ def _cycles_per_s() -> float:
     return 20_000_000 / (start.elapsed_time(end) / 1e3)
 
 
-def _train(run_dir, rank: int, forward_s: float, cycles_per_s: float) -> None:
+def _train(run_dir, rank: int, forward_s: float, cycles_per_s: float, *, steps: int = STEPS,
+           min_gap_s: float = 0.0) -> None:
     """A step whose GPU work is queued in forward and waited for in the all-reduce, as with NCCL."""
-    rep = ProgressReporter(run_dir, rank, cuda_device=torch.device("cuda", 0))
-    for step in range(STEPS):
+    rep = ProgressReporter(run_dir, rank, cuda_device=torch.device("cuda", 0), cuda_min_gap_s=min_gap_s)
+    for step in range(steps):
         rep.enter("data", step)
         rep.enter("forward", step)
         torch.cuda._sleep(int(forward_s * cycles_per_s))  # returns at once: the kernel is only queued
@@ -38,9 +39,9 @@ def _train(run_dir, rank: int, forward_s: float, cycles_per_s: float) -> None:
         rep.enter("all-reduce", step)
         torch.cuda.synchronize()  # the CPU waits here
         rep.enter("optimizer", step)
-    rep.enter("between-steps", STEPS - 1)
+    rep.enter("between-steps", steps - 1)
     torch.cuda.synchronize()
-    rep.enter("data", STEPS)  # closes the last step and reads the completed events into the slot
+    rep.enter("data", steps)  # closes the last step and reads the completed events into the slot
     rep.close()  # reads whatever else completed
 
 
@@ -73,4 +74,22 @@ def test_straggler_scores_use_device_time(tmp_path) -> None:
     assert s1.sections_s["forward"] == pytest.approx(2 * s0.sections_s["forward"], rel=0.25)
     assert s0.relative == 1.0 and s1.relative < 0.6, (s0, s1)
     assert [d.rank for d in report.flagged] == [1]
+    det.close()
+
+
+@pytest.mark.timeout(120)
+def test_short_steps_are_timed_at_most_once_per_gap(tmp_path) -> None:
+    cps = _cycles_per_s()
+    _train(tmp_path, 0, 0.004, cps, steps=60, min_gap_s=0.05)
+    reader = ProgressReader(tmp_path, 0)
+    records = reader.steps(reader.read(), 0)
+    timed = [r for r in records if r.device_sections_s is not None]
+    skipped = [r for r in records if r.device_skipped]
+    assert len(timed) + len(skipped) + sum(r.device_pending for r in records) == len(records) == 60
+    assert timed and skipped, ([r.step for r in timed], [r.step for r in skipped])
+    starts = [r.end_s - r.step_s for r in records if not r.device_skipped]
+    assert all(b - a >= 0.05 for a, b in zip(starts, starts[1:])), starts
+    det = StragglerDetector(StragglerConfig(min_steps=1), tmp_path, [0])
+    assert det.report().scores[0].steps == len(timed)  # only the timed steps are scored
+    reader.close()
     det.close()
