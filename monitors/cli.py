@@ -143,9 +143,11 @@ def status_main(argv: list[str], out: TextIO | None = None) -> int:
     hangs = kinds.get("hang_detected", [])
     faults = kinds.get("fault_detected", [])
     w(f"faults: {len(faults)}" + (f"; hangs detected: {len(hangs)}" if hangs else ""))
+    stacks = {(e.get("rank"), e.get("pid")): e.get("stacks", "") for e in kinds.get("hang_stacks", [])}
     for f in faults[-10:]:
+        where = _innermost_frame(stacks.get((f.get("rank"), f.get("pid")), ""))
         w(f"  {f.get('kind', '?')} rank {f.get('rank', '?')} at step {f.get('step', '?')} "
-          f"({f.get('phase', '?')})")
+          f"({f.get('phase', '?')})" + (f", stuck in {where}" if where else ""))
     recs = kinds.get("recovery_done", [])
     w(f"recoveries: {len(recs)}")
     for r in recs[-10:]:
@@ -156,3 +158,10 @@ def status_main(argv: list[str], out: TextIO | None = None) -> int:
         w("final state written")
     return 0
 
+
+
+def _innermost_frame(dump: str) -> str | None:
+    """``file:line in function`` of the signalled thread's innermost frame in a faulthandler dump."""
+    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
+    m = re.search(r'File "([^"]+)", line (\d+) in (\S+)', block)
+    return f"{m.group(1)}:{m.group(2)} in {m.group(3)}" if m else None

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from monitors import EventLog, MonitorConfig, NodeMonitor
+from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
 from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
 from resilient_train.spare import SPARE_READY_FD
@@ -88,6 +89,7 @@ class _Worker:
     generation: int
     state: WorkerState = WorkerState.RUNNING
     cause: dict | None = None  # set when the agent killed it (a hang, a straggler)
+    kill_at: float | None = None  # a hung rank dumping its stacks: SIGKILL at this monotonic time
 
 
 def _die_with_parent() -> None:
@@ -105,6 +107,7 @@ class Agent:
         self._check_run_dir()
         self.events = EventLog(self.run_dir / "events.jsonl", source="agent")
         first = config.node_rank * config.nproc_per_node
+        self._stacks = StackDumps(self.run_dir)
         self.monitor = NodeMonitor(config.monitor, self.run_dir, range(first, first + config.nproc_per_node),
                                    events=EventLog(self.run_dir / "events.jsonl", source="monitor"))
         self._attempt = 0  # whole-group restarts (unsupervised scripts)
@@ -283,7 +286,23 @@ class Agent:
             w = self.workers.get(rank)
             if w is not None and w.state is WorkerState.RUNNING and w.cause is None and w.proc.poll() is None:
                 w.cause = cause
-                w.proc.kill()  # SIGKILL ends a stopped process too
+                if cause["kind"] == "hang" and self._stacks.request(rank, w.proc.pid):
+                    w.kill_at = time.monotonic() + DUMP_WAIT_S  # its stacks first, for the report
+                else:
+                    w.proc.kill()  # SIGKILL ends a stopped process too
+        self._kill_dumped()
+
+    def _kill_dumped(self) -> None:
+        """SIGKILLs hung ranks whose stack dump had its time, and logs the stacks."""
+        now = time.monotonic()
+        for w in self.workers.values():
+            if w.kill_at is None or now < w.kill_at:
+                continue
+            w.kill_at = None
+            if w.proc.poll() is None:
+                w.proc.kill()
+            stacks = self._stacks.collect(w.rank)
+            self.events.emit("hang_stacks", rank=w.rank, pid=w.proc.pid, stacks=stacks or "(no dump written)")
 
     def _on_death(self, w: _Worker, rc: int) -> None:
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"

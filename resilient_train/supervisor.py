@@ -26,6 +26,7 @@ from chaos.values import ValueFaults
 from checkpointing import CheckpointConfig
 from monitors import EventLog, ProgressReporter
 from monitors.cupti_kernels import CuptiConfig, CuptiKernelScores
+from monitors.stacks import install_stack_dump
 from resilient_train import env as envvars
 from resilient_train.dataparallel import GradientAverager
 from resilient_train.disk import DiskCheckpoints
@@ -124,6 +125,9 @@ class Supervisor(RerunSupport):
                              cuda_device=self.device if self.device.type == "cuda" else None)
             if self.run_dir else None
         )
+        # On SIGUSR1 every thread's stack goes to RUN_DIR/.monitors/rank{r}.stacks: the agent asks before it
+        # kills a hung rank.
+        self._stacks_file = install_stack_dump(self.run_dir, self.env.rank) if self.run_dir else None
         self.store = connect_worker_store(self.env, timeout=timedelta(seconds=config.join_timeout_s))
         self._ring = SnapshotRing(2)
         self._watcher: GenerationWatcher | None = None

@@ -7,8 +7,13 @@ is bitwise equal to the fault-free run.
 
 from __future__ import annotations
 
+import io
+import re
+
 import pytest
 from jobs import ckpt_diff, run_gpt, survivors_kept_pids
+
+from monitors.cli import status_main
 
 STEPS = 12
 NPROC = 4
@@ -41,6 +46,17 @@ def test_hang_detected_killed_and_recovered_bitwise(tmp_path, references, kind, 
         if other["rank"] != HUNG:
             assert other["section"] == "all-reduce" and other["waiting_on"] == [HUNG], other
 
+    # Before the SIGKILL, the agent asked a rank that could still run a signal handler for its stacks.
+    stacks = job.of("hang_stacks")
+    if kind == "hang":  # stopped: it cannot answer, and is killed at once
+        assert stacks == [], stacks
+    else:
+        assert [e["rank"] for e in stacks] == [HUNG], stacks
+        assert "Thread 0x" in stacks[0]["stacks"] or "Current thread 0x" in stacks[0]["stacks"], stacks[0]
+        assert 'chaos/inject.py", line' in stacks[0]["stacks"] and "in _fire" in stacks[0]["stacks"], stacks[0]
+        out = io.StringIO()
+        assert status_main([str(job.run_dir)], out=out) == 0
+        assert re.search(r"hang rank 2 at step \d+ \(\w+\), stuck in \S+chaos/inject.py:\d+ in _fire", out.getvalue())
     agent_faults = [e for e in job.of("fault_detected") if e["source"] == "agent"]
     assert [(e["rank"], e["kind"]) for e in agent_faults] == [(HUNG, "hang")]
     respawned = [e["rank"] for e in job.of("worker_spawned") if e["replacement"]]

@@ -1,0 +1,90 @@
+"""Python stacks of a hung rank, taken just before the agent kills it.
+
+A hang report that says "rank 2, forward, 3 s" tells where the rank stopped
+reporting progress, not why. Each supervised rank installs a ``faulthandler``
+dump on ``SIGUSR1`` into ``RUN_DIR/.monitors/rank{r}.stacks``: the handler is
+C code that reads the interpreter's frames without taking the GIL, so it works
+while the main thread spins in C code holding the GIL or blocks in a system
+call. The agent sends ``SIGUSR1`` to a hung rank, gives it a moment
+(``DUMP_WAIT_S``), then sends ``SIGKILL`` and logs the new part of the file.
+
+A stopped process (SIGSTOP) cannot run its handler: the agent sees its state
+in ``/proc`` and kills it at once. A rank whose script never installed the
+handler (no stacks file) would die of ``SIGUSR1``'s default action, so it is
+never sent one.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+from pathlib import Path
+from typing import IO
+
+__all__ = ["DUMP_WAIT_S", "StackDumps", "install_stack_dump", "is_stopped", "stacks_path"]
+
+DUMP_WAIT_S = 0.3  # the dump of a few threads takes well under a millisecond; this covers a loaded host
+MAX_LOGGED_CHARS = 6000
+
+
+def stacks_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(run_dir) / ".monitors" / f"rank{rank}.stacks"
+
+
+def install_stack_dump(run_dir: str | os.PathLike[str], rank: int) -> IO[str]:
+    """In a rank: dump every thread's stack to its stacks file on SIGUSR1. Keep the returned file open."""
+    path = stacks_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a", buffering=1)  # noqa: SIM115  # lives as long as the process
+    f.write(f"# pid {os.getpid()}\n")
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    return f
+
+
+def is_stopped(pid: int) -> bool:
+    """True when ``pid`` is stopped (SIGSTOP, a debugger): it cannot run a signal handler."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] in (b"T", b"t")
+
+
+class StackDumps:
+    """The agent's side: ask a rank for its stacks and read what it wrote."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.run_dir = run_dir
+        self._offsets: dict[int, int] = {}
+
+    def request(self, rank: int, pid: int) -> bool:
+        """Sends SIGUSR1 when the rank can answer it; False when it cannot (no handler, stopped, gone)."""
+        path = stacks_path(self.run_dir, rank)
+        try:
+            # The file must belong to this process: a replacement writes its own pid line first.
+            text = path.read_text(errors="replace")
+        except FileNotFoundError:
+            return False
+        if f"# pid {pid}\n" not in text or is_stopped(pid):
+            return False
+        self._offsets[rank] = len(text.encode(errors="replace"))
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def collect(self, rank: int) -> str | None:
+        """What the rank wrote since ``request``, trimmed for an event (the main thread first)."""
+        offset = self._offsets.pop(rank, None)
+        if offset is None:
+            return None
+        try:
+            with open(stacks_path(self.run_dir, rank), "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace").strip()
+        except FileNotFoundError:
+            return None
+        return text[:MAX_LOGGED_CHARS] or None
