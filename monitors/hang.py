@@ -87,6 +87,7 @@ class HangDetector:
         # Per rank, the last stats folded into _count (counts are cumulative per incarnation).
         self._seen: dict[tuple[int, tuple[int, int, int]], dict[str, int]] = {}
         self.last: dict[int, ProgressSnapshot | None] = {r: None for r in self._readers}
+        self.inconsistent_reads = 0  # slot reads skipped because their progress time was impossible
 
     @property
     def ranks(self) -> list[int]:
@@ -143,6 +144,11 @@ class HangDetector:
                 section, step, pid = "startup", -1, (snap.pid if snap else None)
                 since = now - (self._since[rank] if snap is None else max(self._since[rank], snap.started_s))
             else:
+                if not snap.started_s <= snap.last_progress_s <= now + 1.0:
+                    # A timestamp this slot's writer can never have written: a torn or damaged read.
+                    # Judging on it could kill a healthy rank; the next poll reads it again.
+                    self.inconsistent_reads += 1
+                    continue
                 section, step, pid = snap.section, snap.step, snap.pid
                 # Never more idle time than since this process was first watched
                 # (reset at its spawn): a slot read while its writer fills it in

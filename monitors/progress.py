@@ -54,7 +54,7 @@ NSECT = len(SECTIONS)
 RING = 256
 FLAG_CLOSED = 1
 
-_HEADER = struct.Struct("<4sIiIQQqiiqqQ")  # 80 bytes
+_HEADER = struct.Struct("<4sIiIQQqiiqqQ")  # 72 bytes
 _SEQ_OFF = 16
 _STATS_OFF = 128
 _STATS = struct.Struct("<" + "QQQ" * NSECT)

@@ -194,3 +194,29 @@ def test_a_section_cut_short_by_a_fault_does_not_grow_the_computed_timeout(tmp_p
     det.poll()
     assert det.timeout("all-reduce") == pytest.approx(5.0 * max(completed))
     rep.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_slot_read_with_an_impossible_progress_time_is_not_judged(tmp_path) -> None:
+    """A torn or damaged read must never make a healthy rank look idle since before it started."""
+    import mmap
+    import struct
+
+    from monitors.progress import ProgressReporter, progress_path
+
+    rep = ProgressReporter(tmp_path, 0)
+    rep.enter("data", 7)
+    det = HangDetector(HangConfig(computed=False, default_timeout=0.5), str(tmp_path), [0])
+    with open(progress_path(tmp_path, 0), "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 0)
+        t_off = struct.calcsize("<4sIiIQQqii")  # the header's last-progress time (see monitors.progress._HEADER)
+        good = mm[t_off:t_off + 8]
+        assert struct.unpack("<q", good)[0] == round(ProgressReader(str(tmp_path), 0).read().last_progress_s * 1e9)
+        mm[t_off:t_off + 8] = struct.pack("<q", 0)
+        time.sleep(0.6)  # past the timeout, had the time been real
+        assert det.poll() == [] and det.inconsistent_reads == 1
+        mm[t_off:t_off + 8] = good
+        hangs = det.poll()  # the real time: 0.6 s without progress
+        assert [(h.rank, h.section, h.step) for h in hangs] == [(0, "data", 7)]
+        mm.close()
+    rep.close()
