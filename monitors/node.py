@@ -7,7 +7,8 @@ It never kills or respawns anything itself.
 Events written: ``hang_detected`` (rank, pid, section, step, since_progress_s,
 timeout_s, waiting_on), ``straggler_report`` (interval, enabled, threshold,
 scores: per rank, its scores, medians, the clock that timed it and its sections), ``straggler_detected`` (rank, action, relative, individual,
-intervals_below).
+intervals_below), ``progress_read_inconsistent`` (a slot read that could not be
+judged; total so far).
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ class NodeMonitor:
 
     def poll(self, now: float | None = None) -> MonitorResult:
         now = time.monotonic() if now is None else now
+        skipped = self.hangs.inconsistent_reads
         hangs = self.hangs.poll(now)
+        if self.hangs.inconsistent_reads > skipped:
+            self.events.emit("progress_read_inconsistent", total=self.hangs.inconsistent_reads)
         kill = ranks_to_kill(hangs, self.config.hang.collective_sections)
         for h in hangs:
             key = (h.rank, h.pid or 0, h.step)
