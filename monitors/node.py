@@ -23,6 +23,7 @@ from typing import Any, Iterable
 from monitors.events import EventLog
 from monitors.hang import Hang, HangConfig, HangDetector, ranks_to_kill
 from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
+from monitors.persist import write_json_atomic
 from monitors.straggler import StragglerConfig, StragglerDetector, StragglerReport
 
 __all__ = ["MetricsConfig", "MonitorConfig", "MonitorResult", "NodeMonitor"]
@@ -219,16 +220,14 @@ class NodeMonitor:
         state = self.state_dict()
         if state == self._state_on_disk:
             return False
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_json_atomic(Path(path), state)
         self._state_on_disk = state
         return True
+
+    def timeouts_changed(self) -> bool:
+        """True when the timeouts applied now differ from the saved ones (save them soon: checkpoints carry them)."""
+        saved = (self._state_on_disk or {}).get("hang", {}).get("timeouts_s")
+        return saved != self.hangs.state_dict()["timeouts_s"]
 
     def load_state(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
         """Merges the state ``save_state`` wrote (a job restarted in the same run directory keeps its

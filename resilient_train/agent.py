@@ -26,6 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from monitors import EventLog, MonitorConfig, NodeMonitor
+from monitors.persist import monitor_state_path, offered_state_path
 from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
 from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
@@ -119,10 +120,10 @@ class Agent:
         self._spare_ready_fd: int | None = None
         self._stop_code: int | None = None  # a worker asked the whole job to stop with this code
         # The computed hang timeouts outlive the agent: a job restarted in this run directory keeps them.
-        self._monitor_state = self.run_dir / ".monitors" / "timeouts.json"
+        self._monitor_state = monitor_state_path(self.run_dir)
         try:
             if self.monitor.load_state(self._monitor_state) is not None:
-                self.events.emit("monitor_state_loaded", path=str(self._monitor_state),
+                self.events.emit("monitor_state_loaded", path=str(self._monitor_state), source="run directory",
                                  timeouts_s=self.monitor.state_dict()["hang"]["timeouts_s"])
         except ValueError as e:
             self.events.emit("monitor_state_ignored", path=str(self._monitor_state), reason=str(e))
@@ -275,7 +276,10 @@ class Agent:
     def _poll_monitor(self) -> None:
         """Kills hung ranks (and stragglers under the "replace" policy); they then recover like dead ones."""
         found = self.monitor.poll()
-        if time.monotonic() - self._monitor_saved_at >= self.config.monitor_state_every_s:
+        self._take_offered_monitor_state()
+        # Changed timeouts are saved at once: rank 0 puts the saved file in each checkpoint it writes.
+        if (time.monotonic() - self._monitor_saved_at >= self.config.monitor_state_every_s
+                or self.monitor.timeouts_changed()):
             self._save_monitor_state()
         causes: dict[int, dict] = {r: {"kind": "straggler"} for r in found.replace}
         for h in found.hangs:
@@ -345,6 +349,20 @@ class Agent:
                 w.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+
+    def _take_offered_monitor_state(self) -> None:
+        """Merges the monitor state a rank found in the checkpoint it resumed from (monitors.persist)."""
+        path = offered_state_path(self.run_dir)
+        if not path.exists():
+            return
+        try:
+            offer = json.loads(path.read_text(encoding="utf-8"))
+            self.monitor.load_state_dict(offer["state"])
+            self.events.emit("monitor_state_loaded", path=str(path), source="checkpoint", step=offer.get("step"),
+                             timeouts_s=self.monitor.state_dict()["hang"]["timeouts_s"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            self.events.emit("monitor_state_ignored", path=str(path), reason=f"{type(e).__name__}: {e}")
+        path.unlink(missing_ok=True)
 
     def _save_monitor_state(self) -> None:
         self._monitor_saved_at = time.monotonic()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from checkpointing import CheckpointConfig, CheckpointManager, NoCheckpointError
 from monitors import EventLog
+from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
 from resilient_train.store import wait_until
 from resilient_train.train_state import TrainState
 
@@ -35,12 +36,15 @@ def default_checkpoint_config(run_dir: str | Path, every: int, *, mode: str = "p
 
 class DiskCheckpoints:
     def __init__(
-        self, config: CheckpointConfig, *, rank: int, world_size: int, store: dist.Store, events: EventLog
+        self, config: CheckpointConfig, *, rank: int, world_size: int, store: dist.Store, events: EventLog,
+        run_dir: Path | None = None,
     ) -> None:
         if LOCAL_KEY not in config.local_keys:
             raise ValueError(f"the supervisor's checkpoint config must list {LOCAL_KEY!r} in local_keys")
         self.config = config
         self.rank = rank
+        # Under the agent: the computed hang timeouts travel in each checkpoint (monitors.persist).
+        self.run_dir = run_dir
         self._prepared = False
         # Re-pointed at each generation's keys by on_generation.
         self._manager = CheckpointManager(
@@ -59,7 +63,12 @@ class DiskCheckpoints:
 
     def maybe_save(self, state: TrainState) -> None:
         if self.config.should_save(state.step):
-            self._manager.save(state.step, self._state_dict(state))
+            extras = {}
+            if self.rank == 0 and self.run_dir is not None:  # rank 0 writes the manifest
+                monitors = read_monitor_state(self.run_dir)
+                if monitors is not None:
+                    extras[CHECKPOINT_EXTRAS_KEY] = monitors
+            self._manager.save(state.step, self._state_dict(state), extras=extras)
 
     def load_agreed(self, state: TrainState, store: dist.Store, generation: int, *, timeout: float) -> int | None:
         """Every rank loads the same step: rank 0 picks the newest committed one.
@@ -76,9 +85,12 @@ class DiskCheckpoints:
         if not chosen:
             return None
         try:
-            loaded, _ = self._manager.load(step=int(chosen))
+            loaded, manifest = self._manager.load(step=int(chosen))
         except NoCheckpointError:
             raise RuntimeError(f"checkpoint step {chosen} chosen by rank 0 does not verify on rank {self.rank}") from None
+        monitors = manifest.extras.get(CHECKPOINT_EXTRAS_KEY)
+        if self.rank == 0 and self.run_dir is not None and isinstance(monitors, dict):
+            offer_from_checkpoint(self.run_dir, monitors, step=int(chosen))
         state.load_replicated(loaded)
         if LOCAL_KEY in loaded:
             state.load_local(loaded[LOCAL_KEY])

@@ -175,7 +175,7 @@ class Supervisor(RerunSupport):
         )
         self.disk = (
             DiskCheckpoints(self.config.checkpoint, rank=self.env.rank, world_size=self.env.world_size,
-                            store=self.store, events=self.events)
+                            store=self.store, events=self.events, run_dir=self.run_dir)
             if self.config.checkpoint is not None else None
         )
         self._watcher = GenerationWatcher(

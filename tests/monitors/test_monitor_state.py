@@ -67,3 +67,34 @@ def test_an_unreadable_state_file_is_reported_and_replaced(tmp_path: Path) -> No
     ignored = [e for e in ev if e["event"] == "monitor_state_ignored"]
     assert len(ignored) == 1 and "timeouts.json" in ignored[0]["reason"]
     assert json.loads(state_file.read_text())["hang"]["version"] == 1  # close() wrote a valid state
+
+
+@pytest.mark.timeout(420)
+def test_computed_timeouts_travel_in_checkpoints_to_a_job_in_another_run_dir(tmp_path: Path) -> None:
+    import shutil
+
+    from checkpointing.catalog import list_steps
+    from checkpointing.manifest import Manifest
+
+    defaults = HangConfig()
+    first = run_gpt(tmp_path / "a", nproc=2, steps=40, extra=["--ckpt-every", "20", "--ckpt-mode", "disabled"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = [s for s in list_steps(tmp_path / "a" / "checkpoints") if s.has_manifest][-1]
+    assert newest.step == 40
+    saved = Manifest.read(newest.path).extras["monitors"]["hang"]
+    assert saved["timeouts_s"]["forward"] < defaults.default_timeout  # computed, not the default
+
+    # The checkpoints move to a new run directory, without the agent's timeouts.json: the job resumes
+    # from step 40, rank 0 hands the checkpoint's timeouts to the agent, and a hang at step 41 is
+    # judged by them.
+    run_b = tmp_path / "b"
+    shutil.copytree(tmp_path / "a" / "checkpoints", run_b / "checkpoints")
+    second = run_gpt(run_b, nproc=2, steps=44, extra=["--ckpt-every", "20", "--ckpt-mode", "disabled"],
+                     faults=[{"kind": "hang", "rank": 1, "step": 41, "phase": "forward"}])
+    assert second.returncode == 0, second.stderr[-3000:]
+    loaded = second.of("monitor_state_loaded")
+    assert [(e["source"], e["step"]) for e in loaded] == [("checkpoint", 40)], loaded
+    assert loaded[0]["timeouts_s"]["forward"] == pytest.approx(saved["timeouts_s"]["forward"])
+    hang = next(e for e in second.of("hang_detected") if e["rank"] == 1)
+    assert hang["step"] == 41 and hang["timeout_s"] < defaults.default_timeout, hang
+    assert not (run_b / ".monitors" / "timeouts-from-checkpoint.json").exists()  # taken by the agent

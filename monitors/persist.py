@@ -1,0 +1,60 @@
+"""Where the monitors' state lives between jobs, and how it travels in checkpoints.
+
+The node agent keeps its computed hang timeouts in
+``RUN_DIR/.monitors/timeouts.json`` (``NodeMonitor.save_state``), so a job
+started again in the same run directory keeps them. They also go into every
+disk checkpoint: rank 0 reads that file when it saves and puts its content in
+the checkpoint manifest's extras under ``"monitors"``. A job that resumes from
+such a checkpoint (in another run directory, on other machines) hands it back:
+the rank that loaded the checkpoint writes it to
+``RUN_DIR/.monitors/timeouts-from-checkpoint.json``, and the agent merges
+that file into its detector and removes it.
+
+Only JSON moves between the processes; files are written to a temporary name
+and renamed, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CHECKPOINT_EXTRAS_KEY", "monitor_state_path", "offer_from_checkpoint", "offered_state_path",
+           "read_monitor_state", "write_json_atomic"]
+
+CHECKPOINT_EXTRAS_KEY = "monitors"
+
+
+def monitor_state_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / ".monitors" / "timeouts.json"
+
+
+def offered_state_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / ".monitors" / "timeouts-from-checkpoint.json"
+
+
+def read_monitor_state(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The agent's last saved state, for a checkpoint; None when there is none or it does not parse."""
+    try:
+        state = json.loads(monitor_state_path(run_dir).read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def offer_from_checkpoint(run_dir: str | os.PathLike[str], state: dict[str, Any], *, step: int) -> Path:
+    """Hands a checkpoint's monitor state to the agent (it merges and removes the file)."""
+    return write_json_atomic(offered_state_path(run_dir), {"step": step, "state": state})
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
