@@ -100,13 +100,15 @@ def overhead(blocks: int, steps_per_block: int) -> dict[str, float]:
 
     for i in range(5):  # warm-up
         step(i, True)
-    times: dict[bool, list[float]] = {True: [], False: []}
+    # Blocks cycle off, on, off again: "off again" is "off" under another name, the noise floor (A/A).
+    modes = ("off", "on", "off-again")
+    times: dict[str, list[float]] = {m: [] for m in modes}
     i = 5
-    for b in range(blocks):
-        on = b % 2 == 0
-        (active.set if on else active.clear)()
+    for b in range(blocks * 3 // 2):
+        mode = modes[b % 3]
+        (active.set if mode == "on" else active.clear)()
         for _ in range(steps_per_block):
-            times[on].append(step(i, on))
+            times[mode].append(step(i, mode == "on"))
             i += 1
     stop.set()
     mon.join(timeout=10)
@@ -123,9 +125,11 @@ def overhead(blocks: int, steps_per_block: int) -> dict[str, float]:
     poll_us = (time.perf_counter() - t0) / 1000 * 1e6
     probe.close()
     rep.close()
-    on_s, off_s = statistics.median(times[True]), statistics.median(times[False])
+    on_s, off_s = statistics.median(times["on"]), statistics.median(times["off"])
+    again_s = statistics.median(times["off-again"])
     return {"step_on_s": on_s, "step_off_s": off_s, "overhead_pct": 100 * (on_s / off_s - 1),
-            "steps_each": len(times[True]), "enter_us": enter_us, "hang_poll_us_per_rank": poll_us}
+            "aa_pct": 100 * (again_s / off_s - 1),
+            "steps_each": len(times["on"]), "enter_us": enter_us, "hang_poll_us_per_rank": poll_us}
 
 
 def overhead_gpu(blocks: int, steps_per_block: int) -> dict[str, dict[str, float]]:
@@ -152,7 +156,7 @@ def overhead_gpu(blocks: int, steps_per_block: int) -> dict[str, dict[str, float
 
     modes = ["off", "ours", "off-again"]  # "off-again" is "off" under another name: the noise floor (A/A)
     detector = None
-    if importlib.util.find_spec("nvidia_resiliency_ext") is not None:
+    if importlib.util.find_spec("nvidia_resiliency_ext.straggler") is not None:
         from nvidia_resiliency_ext import straggler
 
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
@@ -283,7 +287,8 @@ def main() -> int:
     o = overhead(args.blocks, args.steps_per_block)
     print(f"overhead: GPT step (d_model 128, 2 layers, batch 8x64, 1 thread) median "
           f"{o['step_off_s'] * 1e3:.2f} ms off, {o['step_on_s'] * 1e3:.2f} ms on "
-          f"({o['steps_each']} steps each, interleaved): {o['overhead_pct']:+.2f}%")
+          f"({o['steps_each']} steps each, interleaved): {o['overhead_pct']:+.2f}%; "
+          f"off again (A/A, the noise floor): {o['aa_pct']:+.2f}%")
     print(f"  ProgressReporter.enter: {o['enter_us']:.2f} us; HangDetector.poll: {o['hang_poll_us_per_rank']:.1f} us/rank")
     print(f"  in-rank cost per step: 6 x enter = {6 * o['enter_us']:.1f} us = "
           f"{100 * 6 * o['enter_us'] * 1e-6 / o['step_off_s']:.3f}% of the step")
@@ -291,7 +296,7 @@ def main() -> int:
         print(f"hang run {i}: computed timeout {h['timeout_s']:.2f} s; detected {h['since_progress_s']:.2f} s after "
               f"the last progress; injection -> kill {h['inject_to_kill_s']:.2f} s; "
               f"injection -> every rank recovered {h['inject_to_recovered_s']:.2f} s")
-    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+    if importlib.util.find_spec("nvidia_resiliency_ext.straggler") is None:
         print("NVRx ft_launcher: nvidia-resiliency-ext is not installed; comparison skipped")
     else:
         print("NVRx ft_launcher on the same hang: python bench/hang_latency.py")

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from monitors.cupti_kernels import CuptiConfig, unavailable_reason
 import resilient_train as rt
 from resilient_train.disk import default_checkpoint_config
 from resilient_train.rerun import OnGenuine, RerunConfig, RerunMode
@@ -110,9 +111,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="validate each step's results and re-run rejected steps (default disabled)")
     p.add_argument("--rerun-on-genuine", choices=[m.value for m in OnGenuine], default="skip",
                    help="a genuine numerical event: skip the batch, or save and stop with exit code 17 (default skip)")
+    p.add_argument("--cupti-every", type=int, default=0,
+                   help="NVRx's CUPTI kernel straggler scores every N steps, as events "
+                        "(needs the nvrx extra and CUDA; default 0: off)")
     args = p.parse_args(argv)
     if args.steps < 0:
         p.error("--steps must be >= 0")
+    if args.cupti_every < 0:
+        p.error("--cupti-every must be >= 0")
+    if args.cupti_every and (why := unavailable_reason()):
+        p.error(f"--cupti-every: {why}")
     return args
 
 
@@ -124,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         default_checkpoint_config(run_dir, args.ckpt_every, mode=args.ckpt_mode) if args.ckpt_every and run_dir else None
     )
     rerun = RerunConfig(mode=args.rerun_mode, on_genuine=args.rerun_on_genuine)
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, checkpoint=checkpoint, rerun=rerun))
+    cupti = CuptiConfig(report_every_steps=args.cupti_every) if args.cupti_every else None
+    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, checkpoint=checkpoint, rerun=rerun, cupti=cupti))
     if sup.env.replacement:
         # A replacement takes its weights from a peer: skip initialisation.
         with torch.device("meta"):

@@ -47,7 +47,7 @@ class CuptiConfig:
 
 def unavailable_reason() -> str | None:
     """Why the CUPTI backend cannot run here, or ``None`` when it can."""
-    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+    if importlib.util.find_spec("nvidia_resiliency_ext.straggler") is None:
         return "nvidia-resiliency-ext is not installed (pip install 'resilient-train[nvrx]')"
     import torch
 

@@ -132,7 +132,7 @@ def test_gpu_rank_with_slower_kernels_is_flagged_by_device_time(tmp_path) -> Non
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(__import__("importlib").util.find_spec("nvidia_resiliency_ext") is None
+@pytest.mark.skipif(__import__("importlib").util.find_spec("nvidia_resiliency_ext.straggler") is None
                     or not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
                     reason="needs nvidia-resiliency-ext (the nvrx extra) and 2 CUDA devices: run on a GPU machine")
 def test_nvrx_cupti_backend_scores_the_slow_gpu_kernel_by_kernel(tmp_path) -> None:

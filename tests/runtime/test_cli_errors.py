@@ -44,3 +44,20 @@ def test_run_dir_not_writable(tmp_path):
     blocker.write_text("")
     # A path under a regular file cannot be created, even by root.
     _one_line_error(cli("run", "--run-dir", str(blocker / "run"), str(GPT)), "not writable")
+
+
+@pytest.mark.timeout(60)
+def test_cupti_backend_where_it_cannot_run(tmp_path):
+    import subprocess
+    import sys
+
+    from monitors.cupti_kernels import unavailable_reason
+
+    why = unavailable_reason()
+    if why is None:
+        pytest.skip("NVRx and CUDA are both here: the backend can run")
+    p = subprocess.run([sys.executable, str(GPT), "--cupti-every", "10", "--steps", "1"],
+                       capture_output=True, text=True, timeout=50)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == f"train_gpt.py: error: --cupti-every: {why}"
