@@ -14,8 +14,12 @@ That call is collective on the default process group, which the supervisor
 rebuilds for each generation. It is driven by the step number, identical on
 every rank, and not by NVRx's own ``generate_report_if_interval_elapsed``,
 whose per-process call counter would disagree once a replacement rank joins.
-Rank 0 receives the gathered report and returns it as plain data; the caller
-writes it to the event log.
+NVRx's reporter also keeps per-process state that its collectives rely on
+(node names gathered at the first report, kernel name ids), so every rank
+starts a fresh detector at every new generation (``on_new_generation``): a
+replacement and the survivors then agree again, and what a failed generation
+measured is dropped. Rank 0 receives the gathered report and returns it as
+plain data; the caller writes it to the event log.
 
 Without the extra or without CUDA, :func:`unavailable_reason` says why and
 nothing here is imported.
@@ -67,15 +71,20 @@ class CuptiKernelScores:
 
         self.config = config
         self._detector = straggler.Detector
-        if not self._detector.initialized:
-            self._detector.initialize(scores_to_compute="all", gather_on_rank0=True, profiling_interval=1,
-                                      report_time_interval=1e9)  # we decide when to report
         self._open: Any = None
+
+    def on_new_generation(self) -> None:
+        """Every rank, after each new process group: a fresh NVRx detector (see the module docstring)."""
+        self._close_section()
+        if self._detector.initialized:
+            self._detector.shutdown()
+        self._detector.initialize(scores_to_compute="all", gather_on_rank0=True, profiling_interval=1,
+                                  report_time_interval=1e9)  # we decide when to report
 
     def enter(self, section: str) -> None:
         """The rank's main thread moved to ``section``: profile it if it is the rank's own work."""
         self._close_section()
-        if section in self.config.sections:
+        if section in self.config.sections and self._detector.initialized:
             self._open = self._detector.detection_section(section, profile_cuda=True)
             self._open.__enter__()
 
@@ -101,10 +110,6 @@ class CuptiKernelScores:
             "stragglers_individual": sorted(s.rank for s in found["straggler_gpus_individual"]),
             "report_ms": round(float(rep.generate_report_elapsed_time), 3),
         }
-
-    def abandon(self) -> None:
-        """A fault interrupted the step: close the section it was in (no report)."""
-        self._close_section()
 
     def close(self) -> None:
         self._close_section()

@@ -20,6 +20,8 @@ needs to call it.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,7 @@ __all__ = ["CudaSectionClock"]
 # Steps whose events have not completed yet; beyond this the oldest are dropped
 # (a device that stopped making progress, which hang detection handles).
 MAX_PENDING = 64
+MAX_EVERY = 64  # the sparsest sampling: one step in 64
 
 
 @dataclass
@@ -41,10 +44,12 @@ class _Step:
 class CudaSectionClock:
     """Per-section device time from CUDA events, read without synchronising.
 
-    Steps are timed on the device when at least ``min_gap_s`` passed since the
-    start of the last timed one, so a tiny step pays for its events only now
-    and then (about ``1 / min_gap_s`` timed steps a second at most) while a
-    step longer than the gap is always timed.
+    Short steps are sampled to bound the cost: step ``s`` is timed when ``s``
+    is a multiple of ``k``, the smallest power of two for which ``k`` steps
+    last at least ``min_gap_s`` (from the median of the last 8 steps' wall
+    time; steps longer than the gap are all timed). Sampling by step number makes ranks
+    of one job time the same steps, and a rank whose ``k`` came out twice
+    another's still times every step the other does.
     """
 
     def __init__(self, device: Any, nsections: int, *, min_gap_s: float = 0.05) -> None:
@@ -62,26 +67,39 @@ class CudaSectionClock:
         self._stream_handle: int | None = None
         self._stream: Any = None
         self._nsections = nsections
-        self._gap_ns = int(min_gap_s * 1e9)
-        self._last_timed_ns: int | None = None
+        self._gap_ns = min_gap_s * 1e9
+        self._recent_ns: deque[int] = deque(maxlen=8)  # wall time of the last steps
+        self._last_boundary_ns: int | None = None
         self._timing = False  # whether the step in progress is timed
         self._open: list[tuple[int, Any]] = []  # marks of the step in progress
         self._pending: deque[_Step] = deque()
+        self._dropped: list[int] = []  # tokens of queued steps given up on (MAX_PENDING)
         self._free: list[Any] = []  # events of resolved steps, reused
+
+    @property
+    def every(self) -> int:
+        """Steps are timed when their number is a multiple of this."""
+        step_ns = statistics.median(self._recent_ns) if self._recent_ns else 0
+        if step_ns <= 0 or step_ns >= self._gap_ns:
+            return 1
+        return min(MAX_EVERY, 1 << math.ceil(math.log2(self._gap_ns / step_ns)))
 
     def section(self, code: int) -> None:
         """Section ``code`` starts now, within the same step."""
         if self._timing:
             self._open.append((code, self._record()))
 
-    def boundary(self, code: int, now_ns: int, closed: int | None) -> str:
-        """A new step starts now with section ``code``.
+    def boundary(self, code: int, now_ns: int, closed: int | None, step: int) -> str:
+        """Step ``step`` starts now with section ``code``.
 
         ``closed`` names (by its ring index) the step this completes, or is
         ``None`` when the previous step was abandoned (a rollback, the first
         step). Returns what the closed step's device times will be:
         "pending" (queued, see ``ready``), "skipped" (not timed) or "none".
         """
+        if closed is not None and self._last_boundary_ns is not None:
+            self._recent_ns.append(now_ns - self._last_boundary_ns)
+        self._last_boundary_ns = now_ns
         outcome = "none" if closed is None else "skipped"
         end = None
         if self._timing:
@@ -90,14 +108,18 @@ class CudaSectionClock:
                 self._pending.append(_Step(token=closed, marks=self._open, end=end))
                 outcome = "pending"
                 while len(self._pending) > MAX_PENDING:
-                    self._pending.popleft()
-        self._timing = self._last_timed_ns is None or now_ns - self._last_timed_ns >= self._gap_ns
+                    self._dropped.append(self._pending.popleft().token)
+        self._timing = step % self.every == 0
         if self._timing:
-            self._last_timed_ns = now_ns
             self._open = [(code, end if end is not None else self._record())]
         else:
             self._open = []
         return outcome
+
+    def take_dropped(self) -> list[int]:
+        """Tokens of queued steps whose events were given up on (their entries say "skipped")."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def _record(self) -> Any:
         ev = self._free.pop() if self._free else self._torch.cuda.Event(enable_timing=True)

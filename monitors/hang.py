@@ -28,6 +28,8 @@ from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS
 
 __all__ = ["Hang", "HangConfig", "HangDetector", "ranks_to_kill"]
 
+IMPOSSIBLE_READS_BEFORE_JUDGING = 20  # about a second of the agent's polls
+
 
 @dataclass(kw_only=True)
 class HangConfig:
@@ -87,7 +89,8 @@ class HangDetector:
         # Per rank, the last stats folded into _count (counts are cumulative per incarnation).
         self._seen: dict[tuple[int, tuple[int, int, int]], dict[str, int]] = {}
         self.last: dict[int, ProgressSnapshot | None] = {r: None for r in self._readers}
-        self.inconsistent_reads = 0  # slot reads skipped because their progress time was impossible
+        self.inconsistent_reads = 0  # slot reads whose progress time was impossible
+        self._impossible: dict[int, int] = {}  # consecutive such reads per rank
 
     @property
     def ranks(self) -> list[int]:
@@ -144,16 +147,19 @@ class HangDetector:
                 section, step, pid = "startup", -1, (snap.pid if snap else None)
                 since = now - (self._since[rank] if snap is None else max(self._since[rank], snap.started_s))
             else:
-                if not snap.started_s <= snap.last_progress_s <= now + 1.0:
-                    # A timestamp this slot's writer can never have written: a torn or damaged read.
-                    # Judging on it could kill a healthy rank; the next poll reads it again.
-                    self.inconsistent_reads += 1
-                    continue
                 section, step, pid = snap.section, snap.step, snap.pid
-                # Never more idle time than since this process was first watched
-                # (reset at its spawn): a slot read while its writer fills it in
-                # can show a progress count before its timestamp.
-                since = now - max(snap.last_progress_s, self._since[rank])
+                if snap.started_s <= snap.last_progress_s <= now + 1.0:
+                    self._impossible[rank] = 0
+                    # Never more idle time than since this process was first watched (reset at its spawn).
+                    since = now - max(snap.last_progress_s, self._since[rank])
+                else:
+                    # A time its writer never wrote: a damaged slot. Judged once it has stayed so
+                    # for a while, by the time since the rank was first watched.
+                    self.inconsistent_reads += 1
+                    self._impossible[rank] = self._impossible.get(rank, 0) + 1
+                    if self._impossible[rank] < IMPOSSIBLE_READS_BEFORE_JUDGING:
+                        continue
+                    since = now - self._since[rank]
             limit = self.timeout(section)
             if since > limit:
                 waiting: tuple[int, ...] = ()

@@ -39,7 +39,7 @@ def read_monitor_state(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None
     """The agent's last saved state, for a checkpoint; None when there is none or it does not parse."""
     try:
         state = json.loads(monitor_state_path(run_dir).read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # a side file must never fail a checkpoint
         return None
     return state if isinstance(state, dict) else None
 

@@ -33,7 +33,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from monitors.sections import SECTIONS, Section, section_code
 
@@ -56,10 +56,13 @@ FLAG_CLOSED = 1
 
 _HEADER = struct.Struct("<4sIiIQQqiiqqQ")  # 72 bytes
 _SEQ_OFF = 16
+_U64 = struct.Struct("<Q")
+_DONE_OFF = 64  # the header's count of completed steps
 _STATS_OFF = 128
 _STATS = struct.Struct("<" + "QQQ" * NSECT)
 _RING_OFF = 512
 _ENTRY = struct.Struct("<qqqq" + "q" * NSECT + "q" * NSECT)  # step, end, duration, device state, wall, device
+_STATE_OFF = 24  # the device-timing state within an entry
 _DEVICE_OFF = 32 + 8 * NSECT  # the device durations within an entry
 _DEVICE = struct.Struct("<" + "q" * NSECT)
 # A GPU rank's step is "skipped" when the clock did not time it (see CudaSectionClock's min_gap_s).
@@ -109,7 +112,6 @@ class ProgressSnapshot:
     section_count: dict[str, int]
     section_max_s: dict[str, float]
     section_total_s: dict[str, float]
-    raw: bytes  # the slot image, for ``ProgressReader.steps``
 
 
 class ProgressReporter:
@@ -125,8 +127,9 @@ class ProgressReporter:
 
     With ``cuda_device``, a timed step's every ``enter`` also records a CUDA
     event, and its entry gets per-section device times once its events
-    complete. Steps are timed at least ``cuda_min_gap_s`` apart (every step
-    when they are longer): short steps are sampled to bound the cost.
+    complete. Steps shorter than ``cuda_min_gap_s`` are sampled by step
+    number (one in 2, 4, ... so that timed steps are about that far apart),
+    to bound the cost; the others' entries say "skipped".
     """
 
     def __init__(
@@ -136,9 +139,9 @@ class ProgressReporter:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self._clock: CudaSectionClock | None = None
         if cuda_device is not None:
-            from monitors.device_timing import CudaSectionClock
+            from monitors import device_timing  # imports torch: GPU ranks only
 
-            self._clock = CudaSectionClock(cuda_device, NSECT, min_gap_s=cuda_min_gap_s)
+            self._clock = device_timing.CudaSectionClock(cuda_device, NSECT, min_gap_s=cuda_min_gap_s)
         self.rank = rank
         self.path = progress_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,15 +170,34 @@ class ProgressReporter:
         os.replace(tmp, self.path)
 
     def _write_header(self) -> None:
-        _HEADER.pack_into(
-            self._mm, 0, MAGIC, VERSION, self._pid, self._flags, self._seq, self._counter,
-            self._step, self._code, 0, self._t, self._start, self._steps_done,
-        )
+        _store(self._mm, 0, _HEADER, MAGIC, VERSION, self._pid, self._flags, self._seq, self._counter,
+               self._step, self._code, 0, self._t, self._start, self._steps_done)
+
+    def _begin(self) -> None:
+        """Opens an update: an odd sequence number tells readers to retry."""
+        self._seq += 1
+        _store(self._mm, _SEQ_OFF, _U64, self._seq)
+
+    def _publish(self) -> None:
+        """Closes an update: the even sequence number is stored alone, after every other byte."""
+        self._seq += 1
+        _store(self._mm, _SEQ_OFF, _U64, self._seq)
 
     def enter(self, section: str | Section, step: int) -> None:
         now = time.monotonic_ns()
         code = section_code(section)
         prev = self._code
+        boundary = step != self._step
+        completed = boundary and step > self._step >= 0
+        # CUDA calls first, outside the update: if one raises, the slot stays consistent.
+        clock = self._clock
+        device, ready = DEVICE_NONE, ()
+        if clock is not None:
+            if boundary:
+                device = _DEVICE_STATES[clock.boundary(code, now, self._steps_done if completed else None, step)]
+                ready = clock.ready() if clock.pending else ()
+            elif code != prev:  # re-entering the section it is in adds no boundary
+                clock.section(code)
         dt = now - self._t
         self._acc[prev] += dt
         st = self._stats
@@ -184,57 +206,48 @@ class ProgressReporter:
             st[3 * prev + 1] += dt
             if dt > st[3 * prev + 2]:
                 st[3 * prev + 2] = dt
-        clock = self._clock
         mm = self._mm
-        self._seq += 1
-        struct.pack_into("<Q", mm, _SEQ_OFF, self._seq)
-        if step != self._step:
-            if step > self._step >= 0:
-                index = self._steps_done
-                device = _DEVICE_STATES[clock.boundary(code, now, index)] if clock is not None else DEVICE_NONE
-                _ENTRY.pack_into(mm, _entry_offset(index), self._step, now, now - self._step_t, device,
-                                 *self._acc, *_NO_DEVICE)
+        self._begin()
+        if boundary:
+            if completed:
+                _store(mm, _entry_offset(self._steps_done), _ENTRY, self._step, now, now - self._step_t, device,
+                       *self._acc, *_NO_DEVICE)
                 self._steps_done += 1
-            elif clock is not None:
-                clock.boundary(code, now, None)  # a rollback or the first step: nothing completed
             self._acc = [0] * NSECT
             self._step_t = now
             self._step = step
-            if clock is not None and clock.pending:
-                self._write_device_times(clock)
-        elif clock is not None and code != prev:  # re-entering the section it is in adds no boundary
-            clock.section(code)
+            if clock is not None:
+                self._write_device_times(ready, clock.take_dropped())
         self._code = code
         self._t = now
         self._counter += 1
-        self._seq += 1
-        _STATS.pack_into(mm, _STATS_OFF, *st)
-        _HEADER.pack_into(
-            mm, 0, MAGIC, VERSION, self._pid, self._flags, self._seq, self._counter,
-            step, code, 0, now, self._start, self._steps_done,
-        )
+        _store(mm, _STATS_OFF, _STATS, *st)
+        self._write_header()
+        self._publish()
 
-    def _write_device_times(self, clock: "CudaSectionClock") -> None:
-        # Inside enter's seqlock. Entries already overwritten in the ring are skipped.
-        for index, seconds in clock.ready():
-            if index < self._steps_done - RING:
-                continue
-            off = _entry_offset(index)
-            struct.pack_into("<q", self._mm, off + 24, DEVICE_READY)
-            _DEVICE.pack_into(self._mm, off + _DEVICE_OFF, *(round(x * 1e9) for x in seconds))
+    def _write_device_times(self, ready: Iterable[tuple[int, list[float]]], dropped: Iterable[int]) -> None:
+        # Inside an update. Entries already overwritten in the ring are skipped.
+        oldest = self._steps_done - RING
+        for index in dropped:
+            if index >= oldest:
+                _store(self._mm, _entry_offset(index) + _STATE_OFF, _U64, DEVICE_SKIPPED)
+        for index, seconds in ready:
+            if index >= oldest:
+                off = _entry_offset(index)
+                _store(self._mm, off + _DEVICE_OFF, _DEVICE, *(round(x * 1e9) for x in seconds))
+                _store(self._mm, off + _STATE_OFF, _U64, DEVICE_READY)  # after the times it vouches for
 
     def close(self) -> None:
         """Marks the slot closed (the rank finished): hang detection ignores it from now on."""
         if self._mm.closed:
             return
-        if self._clock is not None and self._clock.pending:
-            self._seq += 1  # odd: readers wait while the device times go in
-            struct.pack_into("<Q", self._mm, _SEQ_OFF, self._seq)
-            self._write_device_times(self._clock)
-            self._seq += 1
+        ready = self._clock.ready() if self._clock is not None and self._clock.pending else ()
+        self._begin()
+        if self._clock is not None:
+            self._write_device_times(ready, self._clock.take_dropped())
         self._flags |= FLAG_CLOSED
-        self._seq += 2
         self._write_header()
+        self._publish()
         self._mm.close()
 
     def __enter__(self) -> "ProgressReporter":
@@ -252,6 +265,7 @@ class ProgressReader:
         self.path = progress_path(run_dir, rank)
         self._mm: mmap.mmap | None = None
         self._ino = -1
+        self._last: ProgressSnapshot | None = None  # the newest consistent read
 
     def _map(self) -> mmap.mmap | None:
         try:
@@ -286,25 +300,35 @@ class ProgressReader:
         mm = self._map()
         if mm is None:
             return None
-        raw = mm[:]
-        for _ in range(1000):
-            seq = struct.unpack_from("<Q", raw, _SEQ_OFF)[0]
-            if seq % 2 == 0:
-                raw2 = mm[:]
-                if struct.unpack_from("<Q", raw2, _SEQ_OFF)[0] == seq:
-                    break
-                raw = raw2
-            else:
-                raw = mm[:]
-        # A writer stopped inside its update leaves an odd sequence: the header is still usable.
-        return _parse(self.rank, self._ino, raw)
+        for _ in range(200):
+            before = struct.unpack_from("<Q", mm, _SEQ_OFF)[0]
+            head = mm[:_RING_OFF]  # header and statistics: a few hundred bytes, copied in well under a microsecond
+            if before % 2 == 0 and struct.unpack_from("<Q", mm, _SEQ_OFF)[0] == before:
+                # No update began or ended while the copy was taken.
+                self._last = _parse(self.rank, self._ino, head)
+                return self._last
+        # The writer is inside an update and not finishing it (descheduled, stopped, killed): what it
+        # last published is what it did last.
+        if self._last is not None and self._last.identity[0] == self._ino:
+            return self._last
+        return None
 
     def steps(self, snap: ProgressSnapshot, since: int) -> list[StepRecord]:
-        """Completed steps with index ``>= since`` still in the ring of ``snap``."""
-        first = max(since, snap.steps_done - RING, 0)
+        """Completed steps of ``snap`` with ring index ``>= since``, read from the live slot.
+
+        Completed entries do not change, except their device times, which are
+        written before the state that marks them ready. An entry the writer may
+        have reused since ``snap`` (it went on by a whole ring) is left out.
+        """
+        mm = self._map()
+        if mm is None or self._ino != snap.identity[0]:
+            return []  # the rank was respawned since ``snap``
+        ring = mm[_RING_OFF:]
+        now_done = struct.unpack_from("<Q", mm, _DONE_OFF)[0]  # read after the copy
+        first = max(since, snap.steps_done - RING, now_done - RING + 1, 0)
         out = []
         for i in range(first, snap.steps_done):
-            step, end, dur, device, *secs = _ENTRY.unpack_from(snap.raw, _entry_offset(i))
+            step, end, dur, device, *secs = _ENTRY.unpack_from(ring, (i % RING) * _ENTRY.size)
             out.append(StepRecord(
                 step=step, end_s=end / 1e9, step_s=dur / 1e9,
                 sections_s={name: ns / 1e9 for name, ns in zip(SECTIONS, secs[:NSECT])},
@@ -318,6 +342,18 @@ class ProgressReader:
 
     def close(self) -> None:
         self._unmap()
+
+
+def _store(mm: mmap.mmap, offset: int, fmt: struct.Struct, *values: Any) -> None:
+    """Writes ``values`` packed with ``fmt`` at ``offset`` with one copy of the final bytes.
+
+    Not ``fmt.pack_into``: it clears the whole field to zero before writing
+    each value, so a reader could see a zero sequence number (which reads as
+    "no update in progress") or a zero timestamp (which reads as "no progress
+    since the slot was created"). That is how a healthy GPU rank was once
+    killed as idle for 11 s.
+    """
+    mm[offset:offset + fmt.size] = fmt.pack(*values)
 
 
 def _entry_offset(index: int) -> int:
@@ -336,5 +372,4 @@ def _parse(rank: int, ino: int, raw: bytes) -> ProgressSnapshot | None:
         section_count={s: stats[3 * i] for i, s in enumerate(SECTIONS)},
         section_total_s={s: stats[3 * i + 1] / 1e9 for i, s in enumerate(SECTIONS)},
         section_max_s={s: stats[3 * i + 2] / 1e9 for i, s in enumerate(SECTIONS)},
-        raw=raw,
     )

@@ -10,8 +10,10 @@ call. The agent sends ``SIGUSR1`` to a hung rank, gives it a moment
 
 A stopped process (SIGSTOP) cannot run its handler: the agent sees its state
 in ``/proc`` and kills it at once. A rank whose script never installed the
-handler (no stacks file) would die of ``SIGUSR1``'s default action, so it is
-never sent one.
+handler (no stacks file, or none written by this process) would die of
+``SIGUSR1``'s default action, so it is never sent one. Nor is a rank whose
+script had its own ``SIGUSR1`` handler (schedulers use the signal to warn of
+preemption): the dump is then not installed, so as not to replace it.
 """
 
 from __future__ import annotations
@@ -32,13 +34,18 @@ def stacks_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(run_dir) / ".monitors" / f"rank{rank}.stacks"
 
 
-def install_stack_dump(run_dir: str | os.PathLike[str], rank: int) -> IO[str]:
-    """In a rank: dump every thread's stack to its stacks file on SIGUSR1. Keep the returned file open."""
+def install_stack_dump(run_dir: str | os.PathLike[str], rank: int) -> IO[str] | None:
+    """In a rank: dump every thread's stack to its stacks file on SIGUSR1. Keep the returned file open.
+
+    Returns ``None`` (and installs nothing) when the process already handles SIGUSR1.
+    """
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        return None
     path = stacks_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     f = open(path, "a", buffering=1)  # noqa: SIM115  # lives as long as the process
-    f.write(f"# pid {os.getpid()}\n")
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    f.write(f"# pid {os.getpid()}\n")  # after the handler: the agent signals only a process that wrote this
     return f
 
 
@@ -63,13 +70,13 @@ class StackDumps:
         """Sends SIGUSR1 when the rank can answer it; False when it cannot (no handler, stopped, gone)."""
         path = stacks_path(self.run_dir, rank)
         try:
-            # The file must belong to this process: a replacement writes its own pid line first.
-            text = path.read_text(errors="replace")
+            data = path.read_bytes()
         except FileNotFoundError:
             return False
-        if f"# pid {pid}\n" not in text or is_stopped(pid):
+        # The handler must be this process's: each incarnation appends its pid line once installed.
+        if f"# pid {pid}\n".encode() not in data or is_stopped(pid):
             return False
-        self._offsets[rank] = len(text.encode(errors="replace"))
+        self._offsets[rank] = len(data)
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
@@ -77,7 +84,7 @@ class StackDumps:
         return True
 
     def collect(self, rank: int) -> str | None:
-        """What the rank wrote since ``request``, trimmed for an event (the main thread first)."""
+        """What the rank wrote since ``request`` (faulthandler's text), trimmed for an event."""
         offset = self._offsets.pop(rank, None)
         if offset is None:
             return None

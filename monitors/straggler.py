@@ -159,7 +159,8 @@ class StragglerDetector:
             values = {"relative": relative, "individual": individual}
             # A rank scored alone has no one to be compared with: its relative score says nothing.
             judged = [s for s in self.config.scores if s != "relative" or len(medians) >= 2]
-            if any(values[s] < threshold for s in judged):
+            rose = any(values[s] < threshold for s in judged)
+            if rose:
                 self._below[rank] = self._below.get(rank, 0) + 1
             elif judged:
                 self._below[rank] = 0
@@ -174,7 +175,7 @@ class StragglerDetector:
             if below >= self.config.patience:
                 flagged.append(StragglerDecision(
                     rank=rank, action=self.config.policy, relative=relative, individual=individual,
-                    intervals_below=below, new=below == self.config.patience,
+                    intervals_below=below, new=rose and below == self.config.patience,
                 ))
         self.last = StragglerReport(interval=self._interval, time=now, control_read_at=read_at, enabled=True,
                                     threshold=threshold, scores=scores, flagged=flagged)

@@ -128,6 +128,7 @@ class Agent:
         except ValueError as e:
             self.events.emit("monitor_state_ignored", path=str(self._monitor_state), reason=str(e))
         self._monitor_saved_at = time.monotonic()
+        self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
 
     def _check_run_dir(self) -> None:
         try:
@@ -278,8 +279,8 @@ class Agent:
         found = self.monitor.poll()
         self._take_offered_monitor_state()
         # Changed timeouts are saved at once: rank 0 puts the saved file in each checkpoint it writes.
-        if (time.monotonic() - self._monitor_saved_at >= self.config.monitor_state_every_s
-                or self.monitor.timeouts_changed()):
+        since_saved = time.monotonic() - self._monitor_saved_at
+        if since_saved >= self.config.monitor_state_every_s or (since_saved >= 0.5 and self.monitor.timeouts_changed()):
             self._save_monitor_state()
         causes: dict[int, dict] = {r: {"kind": "straggler"} for r in found.replace}
         for h in found.hangs:
@@ -305,8 +306,11 @@ class Agent:
             w.kill_at = None
             if w.proc.poll() is None:
                 w.proc.kill()
-            stacks = self._stacks.collect(w.rank)
-            self.events.emit("hang_stacks", rank=w.rank, pid=w.proc.pid, stacks=stacks or "(no dump written)")
+            self._log_stacks(w)
+
+    def _log_stacks(self, w: _Worker) -> None:
+        stacks = self._stacks.collect(w.rank)
+        self.events.emit("hang_stacks", rank=w.rank, pid=w.proc.pid, stacks=stacks or "(no dump written)")
 
     def _on_death(self, w: _Worker, rc: int) -> None:
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
@@ -315,6 +319,9 @@ class Agent:
             self.events.emit("worker_exit_after_final", rank=w.rank, how=how)
             w.state = WorkerState.SUCCEEDED
             return
+        if w.kill_at is not None:  # it died while dumping its stacks: log what it wrote
+            w.kill_at = None
+            self._log_stacks(w)
         g = current_generation(self.store)
         cause = w.cause or {"kind": "exit"}
         self.events.emit("fault_detected", rank=w.rank, how=how, pid=w.proc.pid, generation=g, **cause)
@@ -355,6 +362,12 @@ class Agent:
         path = offered_state_path(self.run_dir)
         if not path.exists():
             return
+        if self._offer_taken:
+            # Once per job: the first resume brought the saved view; later disk fallbacks in this job
+            # would only count the same observations again.
+            path.unlink(missing_ok=True)
+            return
+        self._offer_taken = True
         try:
             offer = json.loads(path.read_text(encoding="utf-8"))
             self.monitor.load_state_dict(offer["state"])

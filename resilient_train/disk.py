@@ -43,6 +43,7 @@ class DiskCheckpoints:
             raise ValueError(f"the supervisor's checkpoint config must list {LOCAL_KEY!r} in local_keys")
         self.config = config
         self.rank = rank
+        self._events = events
         # Under the agent: the computed hang timeouts travel in each checkpoint (monitors.persist).
         self.run_dir = run_dir
         self._prepared = False
@@ -90,7 +91,10 @@ class DiskCheckpoints:
             raise RuntimeError(f"checkpoint step {chosen} chosen by rank 0 does not verify on rank {self.rank}") from None
         monitors = manifest.extras.get(CHECKPOINT_EXTRAS_KEY)
         if self.rank == 0 and self.run_dir is not None and isinstance(monitors, dict):
-            offer_from_checkpoint(self.run_dir, monitors, step=int(chosen))
+            try:
+                offer_from_checkpoint(self.run_dir, monitors, step=int(chosen))
+            except OSError as e:  # the monitors' timeouts are a convenience: never fail the load for them
+                self._events.emit("monitor_state_not_offered", step=int(chosen), reason=str(e))
         state.load_replicated(loaded)
         if LOCAL_KEY in loaded:
             state.load_local(loaded[LOCAL_KEY])

@@ -227,6 +227,8 @@ class Supervisor(RerunSupport):
         self.generation = plan.generation
         self._watcher.watch(plan.generation)  # type: ignore[union-attr]
         self._init_group(plan.generation)
+        if self._cupti is not None:
+            self._cupti.on_new_generation()
         if self.disk is not None:
             self.disk.on_generation(self.store, plan.generation)
         self._timings["rendezvous_s"] = time.monotonic() - t0

@@ -99,3 +99,16 @@ def gloo_rank(run_dir: str, rank: int, world: int, port: int, stop_at: int, resu
 
 if __name__ == "__main__":
     sys.exit("run through the tests")
+
+
+def hammer_slot(run_dir: str, started: Any, stop: Any) -> None:
+    """Enters sections as fast as it can until ``stop`` is set: the writer side of the seqlock test."""
+    rep = ProgressReporter(run_dir, 0)
+    sections = ("data", "forward", "backward", "all-reduce", "optimizer")
+    step = 0
+    started.set()
+    while not stop.is_set():
+        for section in sections:
+            rep.enter(section, step)
+        step += 1
+    rep.close()

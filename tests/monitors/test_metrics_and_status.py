@@ -155,3 +155,33 @@ def test_progress_slot_records_steps_and_survives_respawn(tmp_path) -> None:
     assert fresh.identity != snap.identity and fresh.counter == 0 and fresh.steps_done == 0
     again.close()
     assert reader.read().closed
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_read_while_its_writer_races_is_always_consistent(tmp_path, procs: Procs) -> None:
+    """The seqlock: every snapshot a reader accepts is one the writer published whole."""
+    from monitor_workers import hammer_slot
+
+    from monitors.progress import ProgressReader
+
+    started, stop = CTX.Event(), CTX.Event()
+    procs.start(hammer_slot, str(tmp_path), started, stop)
+    assert started.wait(30)
+    reader = ProgressReader(tmp_path, 0)
+    wait_for(lambda: reader.read() is not None, 10.0, "the slot")
+    counters = set()
+    try:
+        for _ in range(3000):
+            snap = reader.read()
+            counters.add(snap.counter)
+            # Updated together in one enter: the count of sections left equals the enters made,
+            assert sum(snap.section_count.values()) == snap.counter, snap
+            # the steps completed are those before the current one,
+            assert snap.steps_done == max(snap.step, 0), (snap.steps_done, snap.step)
+            # and the newest completed step ended no later than the last progress (unless the writer
+            # has gone round the whole ring since: then the entry is left out, not returned reused).
+            for last in reader.steps(snap, snap.steps_done - 1) if snap.steps_done else ():
+                assert last.step == snap.step - 1 and last.end_s <= snap.last_progress_s, (last, snap)
+    finally:
+        stop.set()
+    assert len(counters) > 100  # the reads really raced the writer

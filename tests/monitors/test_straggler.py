@@ -113,3 +113,43 @@ def test_config_and_cli_reject_bad_values(tmp_path) -> None:
     assert straggler_main([str(tmp_path), "--threshold", "0"], out=io.StringIO()) == 2
     assert straggler_main([str(tmp_path / "missing"), "--on"], out=io.StringIO()) == 2
     assert straggler_main([str(tmp_path), "--on", "--off"], out=io.StringIO()) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_scored_alone_is_neither_cleared_nor_announced_again(tmp_path) -> None:
+    """With nobody to compare with, a relative score says nothing: the count of slow
+    intervals is kept, and a rank already flagged is not announced a second time."""
+    import time
+
+    from monitors.progress import ProgressReporter
+
+    reps = {r: ProgressReporter(tmp_path, r) for r in (0, 1)}
+    next_step = {0: 0, 1: 0}
+
+    def run(rank: int, n: int, work_s: float) -> None:
+        for _ in range(n):
+            s = next_step[rank]
+            reps[rank].enter("data", s)
+            reps[rank].enter("forward", s)
+            time.sleep(work_s)  # the work itself
+            reps[rank].enter("all-reduce", s)
+            next_step[rank] = s + 1
+        reps[rank].enter("data", next_step[rank])  # closes the last step
+
+    det = StragglerDetector(StragglerConfig(patience=2, min_steps=3), tmp_path, [0, 1])
+    for _ in range(2):
+        run(0, 3, 0.01)
+        run(1, 3, 0.04)
+        report = det.report()
+    assert [(d.rank, d.new) for d in report.flagged] == [(1, True)]
+    run(1, 3, 0.04)  # rank 0 made no step this interval
+    report = det.report()
+    assert set(report.scores) == {1} and report.scores[1].intervals_below == 2
+    assert [(d.rank, d.new) for d in report.flagged] == [(1, False)]
+    run(0, 3, 0.01)
+    run(1, 3, 0.04)
+    report = det.report()
+    assert report.scores[1].intervals_below == 3 and [(d.rank, d.new) for d in report.flagged] == [(1, False)]
+    for rep in reps.values():
+        rep.close()
+    det.close()
