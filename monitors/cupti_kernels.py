@@ -8,7 +8,7 @@ compare ranks kernel by kernel (NCCL kernels excluded), so a slow GPU shows
 even when the sections around it are dominated by waiting.
 
 ``CuptiKernelScores`` opens an NVRx detection section at every phase change
-(the rank's own work only: data, forward, backward, optimizer) and, every
+before the step's collective (data, forward, backward) and, every
 ``report_every_steps`` steps, makes every rank call ``generate_report()``.
 That call is collective on the default process group, which the supervisor
 rebuilds for each generation. It is driven by the step number, identical on
@@ -31,7 +31,10 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-from monitors.sections import COMPUTE_SECTIONS
+# Sections that end before the step's gradient all-reduce is queued. Closing an NVRx section disables
+# CUPTI's kernel activity, which waits for the kernels in flight: with an all-reduce queued behind a dead
+# peer it never returns (seen on 2 x H200: a survivor stuck there until the agent killed it as hung).
+PRE_COLLECTIVE_SECTIONS: tuple[str, ...] = ("data", "forward", "backward")
 
 __all__ = ["CuptiConfig", "CuptiKernelScores", "unavailable_reason"]
 
@@ -40,9 +43,14 @@ __all__ = ["CuptiConfig", "CuptiKernelScores", "unavailable_reason"]
 class CuptiConfig:
     report_every_steps: int = 100
     threshold: float = 0.75  # a GPU's kernel score below this names it a straggler in the report
-    sections: tuple[str, ...] = COMPUTE_SECTIONS
+    sections: tuple[str, ...] = PRE_COLLECTIVE_SECTIONS
 
     def __post_init__(self) -> None:
+        if not self.sections or set(self.sections) - set(PRE_COLLECTIVE_SECTIONS):
+            raise ValueError(
+                f"CuptiConfig.sections must be a non-empty subset of {PRE_COLLECTIVE_SECTIONS}: closing a CUPTI "
+                f"section waits for the kernels in flight, which must never include a collective"
+            )
         if self.report_every_steps < 1:
             raise ValueError(f"CuptiConfig.report_every_steps must be >= 1, got {self.report_every_steps}")
         if not 0 < self.threshold <= 1:

@@ -56,7 +56,7 @@ def test_hang_detected_killed_and_recovered_bitwise(tmp_path, references, kind, 
         assert 'chaos/inject.py", line' in stacks[0]["stacks"] and "in _fire" in stacks[0]["stacks"], stacks[0]
         out = io.StringIO()
         assert status_main([str(job.run_dir)], out=out) == 0
-        assert re.search(r"hang rank 2 at step \d+ \(\w+\), stuck in \S+chaos/inject.py:\d+ in _fire", out.getvalue())
+        assert re.search(r"hang rank 2 at step \d+ \([\w-]+\), stuck in \S+chaos/inject.py:\d+ in _fire", out.getvalue())
     agent_faults = [e for e in job.of("fault_detected") if e["source"] == "agent"]
     assert [(e["rank"], e["kind"]) for e in agent_faults] == [(HUNG, "hang")]
     respawned = [e["rank"] for e in job.of("worker_spawned") if e["replacement"]]

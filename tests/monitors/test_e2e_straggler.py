@@ -136,13 +136,18 @@ def test_gpu_rank_with_slower_kernels_is_flagged_by_device_time(tmp_path) -> Non
                     or not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
                     reason="needs nvidia-resiliency-ext (the nvrx extra) and 2 CUDA devices: run on a GPU machine")
 def test_nvrx_cupti_backend_scores_the_slow_gpu_kernel_by_kernel(tmp_path) -> None:
+    """Also through a replacement: rank 0 is killed at step 50, and every rank restarts its NVRx
+    detector in the next generation, so the reports at steps 80 and 120 still agree."""
     run = tmp_path / "run"
     cfg = _monitor_config(tmp_path)
-    p = cli("run", "--nproc-per-node", "2", "--run-dir", str(run), "--monitor-config", str(cfg), str(JOB),
+    kill = [{"kind": "kill", "rank": 0, "step": 50, "phase": "forward"}]
+    p = cli("run", "--nproc-per-node", "2", "--run-dir", str(run), "--monitor-config", str(cfg),
+            "--chaos", json.dumps(kill), str(JOB),
             "--gpu-work", "--work-s", "0.02", "--steps", "120", "--slow-rank", "1", "--slow-from", "20",
             "--cupti-every", "40", timeout=280)
     job = Job(p.returncode, p.stdout, p.stderr, run)
     assert job.returncode == 0, job.stderr[-3000:]
+    assert [e["rank"] for e in job.of("worker_spawned") if e["replacement"]] == [0]
     reports = job.of("kernel_straggler_report")
     assert [r["step"] for r in reports] == [40, 80, 120], reports
     last = reports[-1]
