@@ -30,7 +30,6 @@ on a GPU: ``python bench/monitor_overhead.py --device cuda --hang-runs 0``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import multiprocessing as mp
 import statistics
@@ -42,6 +41,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from monitors.cupti_kernels import nvrx_installed  # noqa: E402  (after the path)
 
 PHASES = ("data", "forward", "backward", "all-reduce", "optimizer", "between-steps")
 
@@ -156,7 +157,7 @@ def overhead_gpu(blocks: int, steps_per_block: int) -> dict[str, dict[str, float
 
     modes = ["off", "ours", "off-again"]  # "off-again" is "off" under another name: the noise floor (A/A)
     detector = None
-    if importlib.util.find_spec("nvidia_resiliency_ext.straggler") is not None:
+    if nvrx_installed():
         from nvidia_resiliency_ext import straggler
 
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
@@ -296,7 +297,7 @@ def main() -> int:
         print(f"hang run {i}: computed timeout {h['timeout_s']:.2f} s; detected {h['since_progress_s']:.2f} s after "
               f"the last progress; injection -> kill {h['inject_to_kill_s']:.2f} s; "
               f"injection -> every rank recovered {h['inject_to_recovered_s']:.2f} s")
-    if importlib.util.find_spec("nvidia_resiliency_ext.straggler") is None:
+    if not nvrx_installed():
         print("NVRx ft_launcher: nvidia-resiliency-ext is not installed; comparison skipped")
     else:
         print("NVRx ft_launcher on the same hang: python bench/hang_latency.py")

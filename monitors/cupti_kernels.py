@@ -36,7 +36,7 @@ from typing import Any
 # peer it never returns (seen on 2 x H200: a survivor stuck there until the agent killed it as hung).
 PRE_COLLECTIVE_SECTIONS: tuple[str, ...] = ("data", "forward", "backward")
 
-__all__ = ["CuptiConfig", "CuptiKernelScores", "unavailable_reason"]
+__all__ = ["CuptiConfig", "CuptiKernelScores", "nvrx_installed", "unavailable_reason"]
 
 
 @dataclass(kw_only=True)
@@ -57,9 +57,17 @@ class CuptiConfig:
             raise ValueError(f"CuptiConfig.threshold must be in (0, 1], got {self.threshold}")
 
 
+def nvrx_installed() -> bool:
+    """Whether NVRx's straggler package can be imported (an empty leftover directory does not count)."""
+    try:
+        return importlib.util.find_spec("nvidia_resiliency_ext.straggler") is not None
+    except ModuleNotFoundError:  # no parent package at all
+        return False
+
+
 def unavailable_reason() -> str | None:
     """Why the CUPTI backend cannot run here, or ``None`` when it can."""
-    if importlib.util.find_spec("nvidia_resiliency_ext.straggler") is None:
+    if not nvrx_installed():
         return "nvidia-resiliency-ext is not installed (pip install 'resilient-train[nvrx]')"
     import torch
 

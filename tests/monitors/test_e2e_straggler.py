@@ -15,6 +15,7 @@ from conftest import wait_for
 from jobs import REPO, Job, cli
 
 from monitors.cli import status_main, straggler_main
+from monitors.cupti_kernels import nvrx_installed
 from monitors.events import read_events
 
 JOB = Path(__file__).resolve().parent / "straggler_job.py"
@@ -132,7 +133,7 @@ def test_gpu_rank_with_slower_kernels_is_flagged_by_device_time(tmp_path) -> Non
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(__import__("importlib").util.find_spec("nvidia_resiliency_ext.straggler") is None
+@pytest.mark.skipif(not nvrx_installed()
                     or not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
                     reason="needs nvidia-resiliency-ext (the nvrx extra) and 2 CUDA devices: run on a GPU machine")
 def test_nvrx_cupti_backend_scores_the_slow_gpu_kernel_by_kernel(tmp_path) -> None:
