@@ -7,12 +7,12 @@ end). Scoring stragglers on wall-clock sections would blame the wrong section
 and, when every rank waits for the slowest one in a collective, the wrong rank.
 
 ``CudaSectionClock`` records one CUDA event on the current stream at every
-section change of a timed step. The time between two consecutive events is the section's time
-on the device. Events are never waited for: a finished step is queued, and
-``ready()`` hands back the steps whose events have all completed (``query()``);
-the progress reporter asks at each step boundary, so a step's device times
-land in its ring entry one or two steps later. Recording an event costs a few microseconds and needs
-no CUPTI.
+section change of a timed step. The time between two consecutive events is
+the section's time on the device. Events are never waited for: a finished
+step is queued, and ``ready()`` hands back the steps whose events have all
+completed (``query()``); the progress reporter asks at each step boundary, so
+a step's device times land in its ring entry one or two steps later.
+Recording an event costs a few microseconds and needs no CUPTI.
 
 The progress reporter drives the clock (``monitors.progress``); nothing else
 needs to call it.
@@ -47,9 +47,9 @@ class CudaSectionClock:
     Short steps are sampled to bound the cost: step ``s`` is timed when ``s``
     is a multiple of ``k``, the smallest power of two for which ``k`` steps
     last at least ``min_gap_s`` (from the median of the last 8 steps' wall
-    time; steps longer than the gap are all timed). Sampling by step number makes ranks
-    of one job time the same steps, and a rank whose ``k`` came out twice
-    another's still times every step the other does.
+    time; steps longer than the gap are all timed). Sampling by step number
+    makes the ranks of one job time the same steps, and a rank whose ``k``
+    came out twice another's still times every step the other does.
     """
 
     def __init__(self, device: Any, nsections: int, *, min_gap_s: float = 0.05) -> None:
