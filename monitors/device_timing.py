@@ -48,8 +48,8 @@ class CudaSectionClock:
     is a multiple of ``k``, the smallest power of two for which ``k`` steps
     last at least ``min_gap_s`` (from the median of the last 8 steps' wall
     time; steps longer than the gap are all timed). Sampling by step number
-    makes the ranks of one job time the same steps, and a rank whose ``k``
-    came out twice another's still times every step the other does.
+    makes the ranks of one job time the same steps; where two ranks' ``k``
+    differ, the one with the smaller ``k`` times every step the other times.
     """
 
     def __init__(self, device: Any, nsections: int, *, min_gap_s: float = 0.05) -> None:
