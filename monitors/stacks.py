@@ -5,8 +5,9 @@ reporting progress, not why. Each supervised rank installs a ``faulthandler``
 dump on ``SIGUSR1`` into ``RUN_DIR/.monitors/rank{r}.stacks``: the handler is
 C code that reads the interpreter's frames without taking the GIL, so it works
 while the main thread spins in C code holding the GIL or blocks in a system
-call. The agent sends ``SIGUSR1`` to a hung rank, gives it a moment
-(``DUMP_WAIT_S``), then sends ``SIGKILL`` and logs the new part of the file.
+call. The agent sends ``SIGUSR1`` to a hung rank, waits until the dump is
+written (two of its polls, at most ``DUMP_WAIT_S``), then sends ``SIGKILL``
+and logs the new part of the file.
 
 A stopped process (SIGSTOP) cannot run its handler: the agent sees its state
 in ``/proc`` and kills it at once. A rank whose script never installed the
@@ -26,7 +27,7 @@ from typing import IO
 
 __all__ = ["DUMP_WAIT_S", "StackDumps", "install_stack_dump", "is_stopped", "stacks_path"]
 
-DUMP_WAIT_S = 0.3  # the dump of a few threads takes well under a millisecond; this covers a loaded host
+DUMP_WAIT_S = 0.3  # at most: the agent kills as soon as the dump is written (``StackDumps.written``)
 MAX_LOGGED_CHARS = 6000
 
 
@@ -65,6 +66,7 @@ class StackDumps:
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = run_dir
         self._offsets: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}  # file size at the last ``written`` check
 
     def request(self, rank: int, pid: int) -> bool:
         """Sends SIGUSR1 when the rank can answer it; False when it cannot (no handler, stopped, gone)."""
@@ -83,9 +85,23 @@ class StackDumps:
             return False
         return True
 
+    def written(self, rank: int) -> bool:
+        """True once the rank's dump has been written: the file grew since ``request`` and then stopped
+        growing between two calls (faulthandler writes it in one go, well under a millisecond)."""
+        offset = self._offsets.get(rank)
+        if offset is None:
+            return False
+        try:
+            size = stacks_path(self.run_dir, rank).stat().st_size
+        except FileNotFoundError:
+            return False
+        last, self._sizes[rank] = self._sizes.get(rank), size
+        return size > offset and size == last
+
     def collect(self, rank: int) -> str | None:
         """What the rank wrote since ``request`` (faulthandler's text), trimmed for an event."""
         offset = self._offsets.pop(rank, None)
+        self._sizes.pop(rank, None)
         if offset is None:
             return None
         try:

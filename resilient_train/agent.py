@@ -301,7 +301,7 @@ class Agent:
         """SIGKILLs hung ranks whose stack dump had its time, and logs the stacks."""
         now = time.monotonic()
         for w in self.workers.values():
-            if w.kill_at is None or now < w.kill_at:
+            if w.kill_at is None or (now < w.kill_at and not self._stacks.written(w.rank)):
                 continue
             w.kill_at = None
             if w.proc.poll() is None:

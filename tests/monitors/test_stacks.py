@@ -37,9 +37,10 @@ def test_a_rank_spinning_with_the_gil_held_dumps_its_stack(tmp_path, procs: Proc
     p = procs.start(_spin_with_dump, str(tmp_path), ready)
     assert ready.wait(30)
     dumps = StackDumps(tmp_path)
+    assert not dumps.written(0)  # nothing asked yet
     assert dumps.request(0, p.pid)
-    text = wait_for(lambda: dumps.collect(0) if (stacks_path(tmp_path, 0).stat().st_size > 40) else None,
-                    10.0, "the dump")
+    wait_for(lambda: dumps.written(0), 10.0, "the dump", every=0.05)  # as the agent polls
+    text = dumps.collect(0)
     assert "_spin_with_dump" in text and "test_stacks.py" in text, text
     assert p.is_alive()  # the dump does not stop the process: the agent kills it next
 
