@@ -14,7 +14,7 @@ import pytest
 from conftest import CTX, Procs, wait_for, wait_step
 from monitor_workers import gloo_rank, train_loop
 
-from monitors.hang import Hang, HangConfig, HangDetector
+from monitors.hang import IMPOSSIBLE_READS_BEFORE_JUDGING, Hang, HangConfig, HangDetector
 from monitors.progress import ProgressReader
 
 TIMEOUT = 1.0
@@ -218,5 +218,10 @@ def test_a_slot_read_with_an_impossible_progress_time_is_not_judged(tmp_path) ->
         mm[t_off:t_off + 8] = good
         hangs = det.poll()  # the real time: 0.6 s without progress
         assert [(h.rank, h.section, h.step) for h in hangs] == [(0, "data", 7)]
+        # A slot that stays damaged is judged after a while, by the time since the rank was first watched.
+        mm[t_off:t_off + 8] = struct.pack("<q", 0)
+        polls = [det.poll() for _ in range(IMPOSSIBLE_READS_BEFORE_JUDGING)]
+        assert all(p == [] for p in polls[:-1]) and [h.rank for h in polls[-1]] == [0]
+        assert polls[-1][0].since_progress_s >= 0.6
         mm.close()
     rep.close()

@@ -98,3 +98,24 @@ def test_computed_timeouts_travel_in_checkpoints_to_a_job_in_another_run_dir(tmp
     hang = next(e for e in second.of("hang_detected") if e["rank"] == 1)
     assert hang["step"] == 41 and hang["timeout_s"] < defaults.default_timeout, hang
     assert not (run_b / ".monitors" / "timeouts-from-checkpoint.json").exists()  # taken by the agent
+
+
+@pytest.mark.timeout(30)
+def test_a_bad_monitor_state_file_never_reaches_a_checkpoint(tmp_path: Path) -> None:
+    from monitors.persist import monitor_state_path, offer_from_checkpoint, offered_state_path, read_monitor_state
+
+    assert read_monitor_state(tmp_path) is None  # none yet
+    path = monitor_state_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert read_monitor_state(tmp_path) is None
+    path.unlink()
+    path.mkdir()  # unreadable as a file: an OSError, not a failed save
+    assert read_monitor_state(tmp_path) is None
+    path.rmdir()
+    path.write_text(json.dumps({"hang": {"version": 1}}))
+    assert read_monitor_state(tmp_path) == {"hang": {"version": 1}}
+    written = offer_from_checkpoint(tmp_path, {"hang": {"version": 1}}, step=8)
+    assert written == offered_state_path(tmp_path)
+    assert json.loads(written.read_text()) == {"step": 8, "state": {"hang": {"version": 1}}}
+    assert not list(written.parent.glob("*.tmp"))
