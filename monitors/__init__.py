@@ -1,8 +1,11 @@
 """Read-only views of a run: events, heartbeats, straggler scores, metrics sinks.
 
 Nothing here imports ``resilient_train``: the runtime composes these pieces.
-Ranks write progress (``ProgressReporter``); the node agent polls a
-``NodeMonitor`` (or ``HangDetector`` and ``StragglerDetector`` directly).
+Ranks write progress (``ProgressReporter``; on a GPU it also times sections
+with CUDA events, ``device_timing``); the node agent polls a ``NodeMonitor``
+(or ``HangDetector`` and ``StragglerDetector`` directly), takes hung ranks'
+stacks (``stacks``) and keeps the computed timeouts across jobs and in
+checkpoints (``persist``). ``cupti_kernels`` is the optional NVRx backend.
 """
 
 from monitors.control import StragglerControl, read_control, write_control
