@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["CHECKPOINT_EXTRAS_KEY", "monitor_state_path", "offer_from_checkpoint", "offered_state_path",
-           "read_monitor_state", "write_json_atomic"]
+           "read_monitor_state", "take_offer", "write_json_atomic"]
 
 CHECKPOINT_EXTRAS_KEY = "monitors"
 
@@ -47,6 +47,28 @@ def read_monitor_state(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None
 def offer_from_checkpoint(run_dir: str | os.PathLike[str], state: dict[str, Any], *, step: int) -> Path:
     """Hands a checkpoint's monitor state to the agent (it merges and removes the file)."""
     return write_json_atomic(offered_state_path(run_dir), {"step": step, "state": state})
+
+
+def take_offer(run_dir: str | os.PathLike[str]) -> tuple[int | None, dict[str, Any]] | None:
+    """The agent's side of ``offer_from_checkpoint``: ``(step, state)``, or None when nothing is offered.
+
+    The file is removed whatever it holds; one that does not parse raises ``ValueError``.
+    """
+    path = offered_state_path(run_dir)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    finally:
+        path.unlink(missing_ok=True)
+    try:
+        offer = json.loads(text)
+        step, state = offer.get("step"), offer["state"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: {type(e).__name__}: {e}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: the state is not a JSON object")
+    return step, state
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from monitors import EventLog, MonitorConfig, NodeMonitor
-from monitors.persist import monitor_state_path, offered_state_path
+from monitors.persist import monitor_state_path, offered_state_path, take_offer
 from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
 from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
@@ -369,13 +369,15 @@ class Agent:
             return
         self._offer_taken = True
         try:
-            offer = json.loads(path.read_text(encoding="utf-8"))
-            self.monitor.load_state_dict(offer["state"])
-            self.events.emit("monitor_state_loaded", path=str(path), source="checkpoint", step=offer.get("step"),
+            offer = take_offer(self.run_dir)
+            if offer is None:
+                return
+            step, state = offer
+            self.monitor.load_state_dict(state)
+            self.events.emit("monitor_state_loaded", path=str(path), source="checkpoint", step=step,
                              timeouts_s=self.monitor.state_dict()["hang"]["timeouts_s"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             self.events.emit("monitor_state_ignored", path=str(path), reason=f"{type(e).__name__}: {e}")
-        path.unlink(missing_ok=True)
 
     def _save_monitor_state(self) -> None:
         self._monitor_saved_at = time.monotonic()

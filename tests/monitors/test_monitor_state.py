@@ -102,7 +102,9 @@ def test_computed_timeouts_travel_in_checkpoints_to_a_job_in_another_run_dir(tmp
 
 @pytest.mark.timeout(30)
 def test_a_bad_monitor_state_file_never_reaches_a_checkpoint(tmp_path: Path) -> None:
-    from monitors.persist import monitor_state_path, offer_from_checkpoint, offered_state_path, read_monitor_state
+    from monitors.persist import (
+        monitor_state_path, offer_from_checkpoint, offered_state_path, read_monitor_state, take_offer,
+    )
 
     assert read_monitor_state(tmp_path) is None  # none yet
     path = monitor_state_path(tmp_path)
@@ -119,3 +121,9 @@ def test_a_bad_monitor_state_file_never_reaches_a_checkpoint(tmp_path: Path) -> 
     assert written == offered_state_path(tmp_path)
     assert json.loads(written.read_text()) == {"step": 8, "state": {"hang": {"version": 1}}}
     assert not list(written.parent.glob("*.tmp"))
+    assert take_offer(tmp_path) == (8, {"hang": {"version": 1}}) and not written.exists()  # taken once
+    assert take_offer(tmp_path) is None
+    written.write_text("{not json")
+    with pytest.raises(ValueError, match="timeouts-from-checkpoint.json"):
+        take_offer(tmp_path)
+    assert not written.exists()  # a bad offer is removed too
