@@ -159,7 +159,6 @@ def status_main(argv: list[str], out: TextIO | None = None) -> int:
     return 0
 
 
-
 def _innermost_frame(dump: str) -> str | None:
     """``file:line in function`` of the signalled thread's innermost frame in a faulthandler dump."""
     block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump

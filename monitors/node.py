@@ -6,7 +6,8 @@ It never kills or respawns anything itself.
 
 Events written: ``hang_detected`` (rank, pid, section, step, since_progress_s,
 timeout_s, waiting_on), ``straggler_report`` (interval, enabled, threshold,
-scores: per rank, its scores, medians, the clock that timed it and its sections), ``straggler_detected`` (rank, action, relative, individual,
+scores: per rank, its scores, medians, the clock that timed it and its
+sections), ``straggler_detected`` (rank, action, relative, individual,
 intervals_below), ``progress_read_inconsistent`` (a slot read that could not be
 judged; total so far).
 """

@@ -478,7 +478,6 @@ class Supervisor(RerunSupport):
             dist.distributed_c10d._abort_process_group()
 
 
-
 def _since_spawn() -> float | None:
     """Seconds from the agent starting this worker to its run starting (None without an agent)."""
     spawned = os.environ.get(envvars.RT_SPAWNED_AT)
