@@ -81,7 +81,7 @@ def run_job(job: JobSpec, run_dir: Path, *, faults: list[PlannedFault], timeout_
     cmd = _command(job, run_dir, dumps_faults(in_rank), monitor_file, restarts)
     (run_dir / "command.json").write_text(json.dumps(cmd))
     with open(run_dir / "job.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **job.env},
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RT_REPRODUCIBLE": "1", **job.env},
                                 start_new_session=True)
     run = JobRun(run_dir=run_dir, returncode=None, timed_out=False, launch_time=launch, end_time=launch)
     _Watch(job, run, proc, faults).loop(launch + timeout_s)

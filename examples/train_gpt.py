@@ -111,12 +111,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="validate each step's results and re-run rejected steps (default disabled)")
     p.add_argument("--rerun-on-genuine", choices=[m.value for m in OnGenuine], default="skip",
                    help="a genuine numerical event: skip the batch, or save and stop with exit code 17 (default skip)")
+    p.add_argument("--reproducible", action="store_true",
+                   help="deterministic algorithms and one intra-op thread: bitwise-reproducible runs")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="a host snapshot of the model and optimizer every N steps (default 0: none; "
+                        "live replicas are the redundancy)")
     p.add_argument("--cupti-every", type=int, default=0,
                    help="NVRx's CUPTI kernel straggler scores every N steps, as events "
                         "(needs the nvrx extra and CUDA; default 0: off)")
     args = p.parse_args(argv)
     if args.steps < 0:
         p.error("--steps must be >= 0")
+    if args.snapshot_every < 0:
+        p.error("--snapshot-every must be >= 0")
     if args.cupti_every < 0:
         p.error("--cupti-every must be >= 0")
     if args.cupti_every and (why := unavailable_reason()):
@@ -133,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     rerun = RerunConfig(mode=args.rerun_mode, on_genuine=args.rerun_on_genuine)
     cupti = CuptiConfig(report_every_steps=args.cupti_every) if args.cupti_every else None
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, checkpoint=checkpoint, rerun=rerun, cupti=cupti))
+    sup = rt.Supervisor(rt.SupervisorConfig(
+        steps=args.steps, checkpoint=checkpoint, rerun=rerun, cupti=cupti,
+        snapshot_every=args.snapshot_every or None, **({"reproducible": True} if args.reproducible else {}),
+    ))
     if sup.env.replacement:
         # A replacement takes its weights from a peer: skip initialisation.
         with torch.device("meta"):

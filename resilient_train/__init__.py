@@ -8,7 +8,9 @@ Wrap an existing loop::
 
 from resilient_train.env import WorkerEnv
 from resilient_train.rerun import RerunConfig
-from resilient_train.supervisor import GenerationFailed, StepContext, Supervisor, SupervisorConfig
+from resilient_train.context import StepContext
+from resilient_train.errors import GenerationFailed, UsageError
+from resilient_train.supervisor import Supervisor, SupervisorConfig
 from resilient_train.train_state import Stateful, TrainState
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "Supervisor",
     "SupervisorConfig",
     "TrainState",
+    "UsageError",
     "WorkerEnv",
 ]
 

@@ -11,10 +11,12 @@ behaviour instead: every worker is restarted.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +33,8 @@ from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
 from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
 from resilient_train.spare import SPARE_READY_FD
-from resilient_train.store import Keys, attempt_store, current_generation, declare_fault
+from resilient_train import exitcodes
+from resilient_train.store import Keys, attempt_store, current_generation, declare_fault, job_store, new_token, read_stop
 
 __all__ = ["Agent", "AgentConfig", "AgentError", "WorkerState"]
 
@@ -119,6 +122,7 @@ class Agent:
         self._spare: subprocess.Popen | None = None
         self._spare_ready_fd: int | None = None
         self._stop_code: int | None = None  # a worker asked the whole job to stop with this code
+        self._stop_reason: str | None = None
         # The computed hang timeouts outlive the agent: a job restarted in this run directory keeps them.
         self._monitor_state = monitor_state_path(self.run_dir)
         try:
@@ -139,17 +143,27 @@ class Agent:
         except OSError as e:
             raise AgentError(f"run directory {str(self.run_dir)!r} is not writable: {e.strerror or e}") from None
 
-    def _host_store(self, port: int) -> dist.TCPStore:
+    def _host_store(self, port: int) -> dist.Store:
+        """Hosts the store on ``--master-addr`` only (loopback by default), under a fresh secret namespace."""
+        addr = self.config.master_addr
         try:
-            store = dist.TCPStore(
-                self.config.master_addr, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
-            )
-        except (RuntimeError, OSError) as e:
-            if "in use" in str(e).lower() or "EADDRINUSE" in str(e):
+            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addr, port))
+            sock.listen(4096)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
                 raise AgentError(f"port {port} is already in use (pick another --master-port, or 0 for a free one)") from None
+            raise AgentError(f"cannot host the coordination store on {addr}:{port}: {e.strerror or e}") from None
+        try:
+            store = dist.TCPStore(addr, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=60), master_listen_fd=sock.detach(), use_libuv=False)
+        except (RuntimeError, OSError) as e:
             raise AgentError(f"cannot host the coordination store on port {port}: {str(e).splitlines()[0]}") from None
         self._server = store  # keeps the server alive; the agent itself talks through an attempt's keys
-        view = attempt_store(store, self._attempt)
+        self._token = new_token()
+        view = attempt_store(job_store(store, self._token), self._attempt)
         view.set(Keys.GENERATION, "0")
         return view
 
@@ -165,7 +179,10 @@ class Agent:
             E.TORCHELASTIC_USE_AGENT_STORE: "True", E.TORCHELASTIC_RESTART_COUNT: str(self._attempt),
             E.RT_AGENT: "1", E.RT_RUN_DIR: str(self.run_dir.resolve()), E.RT_GENERATION: str(generation),
             E.RT_ROLE: "replacement" if replacement else "initial", E.RT_CHAOS: c.chaos,
+            E.RT_JOB_TOKEN: self._token,
         })
+        if c.master_addr in ("127.0.0.1", "localhost", "::1"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
         return env
 
     def _argv(self) -> list[str]:
@@ -243,8 +260,12 @@ class Agent:
                 self._poll_workers()
                 self._poll_monitor()
                 if self._stop_code is not None:
-                    self.events.emit("agent_end", ok=False, reason="the rerun policy stopped the job",
-                                     exit_code=self._stop_code, restarts=self.restarts)
+                    reason = self._stop_reason or "the rerun policy stopped the job"
+                    self._stop_workers()
+                    self.events.emit("agent_end", ok=False, reason=reason, exit_code=self._stop_code,
+                                     restarts=self.restarts)
+                    print(f"resilient-train: job stopped ({reason}), exit code {self._stop_code}", file=sys.stderr,
+                          flush=True)
                     return self._stop_code
                 if all(w.state is WorkerState.SUCCEEDED for w in self.workers.values()):
                     self.events.emit("agent_end", ok=True, restarts=self.restarts)
@@ -267,6 +288,14 @@ class Agent:
                 w.state = WorkerState.SUCCEEDED
                 continue
             w.state = WorkerState.FAILED
+            if rc == exitcodes.STOPPED or (rc != 0 and read_stop(self.store) is not None):
+                # A rank stopped the job (a bug that reproduced, a misuse): nothing to replace.
+                stop = read_stop(self.store) or {"summary": f"rank {w.rank} exited with code {rc}"}
+                if self._stop_code is None:
+                    self.events.emit("worker_stopped_job", rank=w.rank, exit_code=rc, reason=stop.get("summary"))
+                    self._stop_reason = f"rank {stop.get('rank', w.rank)}: {stop.get('summary')}"
+                self._stop_code = int(stop.get("exit_code", exitcodes.STOPPED))
+                continue
             if rc == EXIT_VALIDATION_FAILED:
                 # The rerun policy stopped the job after saving the last good state: not a rank to replace.
                 self.events.emit("worker_stopped_job", rank=w.rank, exit_code=rc)
@@ -346,6 +375,16 @@ class Agent:
         c = self.config
         for local in range(c.nproc_per_node):
             self._spawn(c.node_rank * c.nproc_per_node + local, 0, replacement=False)
+
+    def _stop_workers(self, grace_s: float = 5.0) -> None:
+        """The job is stopping: ranks that saw the stop key leave on their own; the rest are killed after a grace."""
+        deadline = time.monotonic() + grace_s
+        for w in self.workers.values():
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_workers()
 
     def _kill_workers(self) -> None:
         for w in self.workers.values():

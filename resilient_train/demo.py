@@ -22,7 +22,8 @@ __all__ = ["run_demo", "summarize_recoveries"]
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 # Small enough for a laptop's cores, large enough to be a real transformer.
-MODEL_ARGS = ["--d-model", "128", "--layers", "2", "--heads", "4", "--seq-len", "32", "--batch", "8", "--log-every", "0"]
+MODEL_ARGS = ["--d-model", "128", "--layers", "2", "--heads", "4", "--seq-len", "32", "--batch", "8", "--log-every", "0",
+              "--reproducible"]
 
 
 def _faults(steps: int, nproc: int) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Disk checkpoints inside the supervisor: periodic async saves and the fallback load.
 
-In-memory snapshots cover a lost rank whose peers are alive. The disk is for
+Live replicas cover a lost rank whose peers are alive. The disk is for
 everything else: a launcher that restarted every worker (plain torchrun), a
 job started again, or a fault that left no step held by every rank. The train
 state goes to disk as ``{"model", "optimizer", "local"}``, where ``local`` (the
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from checkpointing import CheckpointConfig, CheckpointManager, NoCheckpointError
 from monitors import EventLog
 from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
-from resilient_train.store import wait_until
+from resilient_train.store import Keys, wait_until
 from resilient_train.train_state import TrainState
 
 __all__ = ["DiskCheckpoints", "default_checkpoint_config"]
@@ -54,7 +54,7 @@ class DiskCheckpoints:
 
     def on_generation(self, store: dist.Store, generation: int) -> None:
         # Saves of a failed generation never mix their reports with the next one's.
-        self._manager.set_store(dist.PrefixStore(f"rt/gen/{generation}/ckpt", store))
+        self._manager.set_store(dist.PrefixStore(Keys.gen_scope(generation, "ckpt"), store))
 
     def prepare(self, state: TrainState) -> None:
         """Starts the writer process and sizes the staging buffers now, not at the first save."""
@@ -62,21 +62,21 @@ class DiskCheckpoints:
             self._manager.prepare(self._state_dict(state))
             self._prepared = True
 
-    def maybe_save(self, state: TrainState) -> None:
-        if self.config.should_save(state.step):
-            extras = {}
-            if self.rank == 0 and self.run_dir is not None:  # rank 0 writes the manifest
-                monitors = read_monitor_state(self.run_dir)
-                if monitors is not None:
-                    extras[CHECKPOINT_EXTRAS_KEY] = monitors
-            self._manager.save(state.step, self._state_dict(state), extras=extras)
+    def save(self, state: TrainState) -> None:
+        """Saves the boundary ``state.step`` (the caller checked ``config.should_save``)."""
+        extras = {}
+        if self.rank == 0 and self.run_dir is not None:  # rank 0 writes the manifest
+            monitors = read_monitor_state(self.run_dir)
+            if monitors is not None:
+                extras[CHECKPOINT_EXTRAS_KEY] = monitors
+        self._manager.save(state.step, self._state_dict(state), extras=extras)
 
     def load_agreed(self, state: TrainState, store: dist.Store, generation: int, *, timeout: float) -> int | None:
         """Every rank loads the same step: rank 0 picks the newest committed one.
 
         Returns the step loaded, or None when there is no checkpoint at all.
         """
-        key = f"rt/gen/{generation}/disk_step"
+        key = Keys.gen_scope(generation, "disk_step")
         if self.rank == 0:
             latest = self._manager.latest_step(verify=True)  # the newest whose checksums verify
             store.set(key, "" if latest is None else str(latest))

@@ -13,6 +13,8 @@ __all__ = [
     "RT_AGENT",
     "RT_CHAOS",
     "RT_GENERATION",
+    "RT_JOB_TOKEN",
+    "RT_REPRODUCIBLE",
     "RT_ROLE",
     "RT_RUN_DIR",
     "WorkerEnv",
@@ -28,6 +30,7 @@ MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 
 # Ours.
 RT_AGENT = "RT_AGENT"  # "1" when a resilient-train agent hosts the store and respawns ranks
@@ -36,6 +39,8 @@ RT_GENERATION = "RT_GENERATION"  # the generation the worker was spawned into
 RT_ROLE = "RT_ROLE"  # "initial" or "replacement"
 RT_CHAOS = "RT_CHAOS"  # JSON list of faults to inject (see chaos.faults)
 RT_SPAWNED_AT = "RT_SPAWNED_AT"  # wall-clock time the agent started (or assigned) the worker
+RT_JOB_TOKEN = "RT_JOB_TOKEN"  # the job's secret: its keys in the store live under a namespace derived from it
+RT_REPRODUCIBLE = "RT_REPRODUCIBLE"  # "1": SupervisorConfig(reproducible=True) by default (the chaos runner sets it)
 
 
 @dataclass(frozen=True, kw_only=True)

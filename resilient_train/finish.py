@@ -13,9 +13,10 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from resilient_train.generation import GenerationFailed, RunFinished
+from resilient_train.errors import GenerationFailed
+from resilient_train.generation import RunFinished
 from resilient_train.store import Keys, wait_until
-from resilient_train.train_state import decode_local
+from resilient_train.local_state import LocalSlots
 
 __all__ = ["finish_run", "published_local_states"]
 
@@ -51,10 +52,5 @@ def finish_run(
 
 def published_local_states(store: dist.Store, *, world_size: int, step: int) -> dict[int, dict[str, Any]]:
     """Every rank's local state (data position, RNG states) as published at ``step``."""
-    states = {}
-    for r in range(world_size):
-        head, payload = store.get(Keys.local_state(r, step % 2)).split(b"\n", 1)
-        if int(head) != step:
-            raise RuntimeError(f"rank {r} published its state of step {int(head)}, expected {step}")
-        states[r] = decode_local(payload)
-    return states
+    slots = LocalSlots(store)
+    return {r: slots.read_decoded(r, step) for r in range(world_size)}

@@ -1,32 +1,39 @@
 """Joining a generation and agreeing on where it resumes.
 
-Every rank (a survivor or a replacement) publishes what it can restore, counts
+Every rank (a survivor or a replacement) publishes what it holds, counts
 itself in, and waits until the whole world has joined, or until the
 generation is declared failed (then it moves on to the next). All ranks then
 compute the same :class:`ResumePlan` from the same published facts, so no
 extra round of agreement is needed.
+
+What a rank holds after a fault (see docs/design.md, "Recovery from live
+replicas"): its *live* state is exactly the boundary it last reached, unless
+the fault struck while the optimizer was changing it (then it holds none);
+and it can restore the rank-local state of the steps it published. The plan
+takes the newest step that some rank holds live (or in a host snapshot) and
+whose local state every rank can restore; everyone else heals from a holder.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Callable
 
 import torch.distributed as dist
 
+from resilient_train.errors import GenerationFailed
 from resilient_train.store import Keys, StoreTimeout, current_generation, wait_until
 
-__all__ = ["GenerationFailed", "JoinError", "Membership", "ResumePlan", "ResumeSource", "RunFinished", "join_generation", "plan_resume"]
+__all__ = [
+    "GenerationFailed", "JoinError", "Membership", "ResumePlan", "ResumeSource", "RunFinished",
+    "join_generation", "plan_resume",
+]
 
 
 class JoinError(RuntimeError):
     """The world did not assemble before the deadline."""
-
-
-class GenerationFailed(RuntimeError):
-    """Another party declared the current generation failed."""
 
 
 class RunFinished(Exception):
@@ -34,9 +41,9 @@ class RunFinished(Exception):
 
 
 class ResumeSource(str, Enum):
-    SNAPSHOT = "snapshot"  # every rank rolls back to a common in-memory snapshot
-    DISK = "disk"  # no common snapshot: everyone loads the newest valid checkpoint
-    START = "start"  # a fresh run: nothing to restore
+    LIVE = "live"  # the newest step a replica holds: the others heal from it
+    DISK = "disk"  # no replica of a recoverable step: everyone loads the newest valid checkpoint
+    START = "start"  # a fresh run: nothing to restore (a checkpoint, if any, is loaded)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,13 +52,15 @@ class Membership:
 
     rank: int
     pid: int
-    snapshot_steps: list[int]  # in-memory snapshots this rank holds
-    local_steps: list[int]  # steps whose rank-local state this rank can load (published in the store)
+    live_step: int | None  # the boundary its model and optimizer are at; None: unknown (a replacement, a torn update)
+    snapshot_step: int | None  # a host snapshot it holds (SupervisorConfig.snapshot_every)
+    local_steps: list[int]  # steps whose rank-local state it can restore (published in the store)
     replacement: bool
     fresh: bool = False  # a rank of a brand-new run (nothing to restore)
+    new_process: bool = False  # this process has not been part of a generation yet (a replacement just started)
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__)
+        return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "Membership":
@@ -63,55 +72,65 @@ class ResumePlan:
     generation: int
     source: ResumeSource
     step: int | None  # the step every rank resumes from (None: from disk, newest valid)
-    heal_from: int | None  # the rank whose replicated state replacements copy
-    replacements: list[int] = field(default_factory=list)  # ranks without the replicated state
+    # target rank -> the rank it copies the replicated state from (ranks not listed keep their own)
+    heal_from: dict[int, int] = field(default_factory=dict)
+    from_snapshot: list[int] = field(default_factory=list)  # ranks that restore their own host snapshot
     members: dict[int, Membership] = field(default_factory=dict)
+
+    @property
+    def replacements(self) -> list[int]:
+        """Ranks whose process joined for the first time in this generation, replacing a lost one."""
+        return sorted(r for r, m in self.members.items() if m.replacement and m.new_process)
+
+    @property
+    def healed(self) -> list[int]:
+        return sorted(self.heal_from)
 
 
 def plan_resume(generation: int, members: dict[int, Membership]) -> ResumePlan:
-    """The same pure function on every rank: newest step that everybody can restore."""
+    """The same pure function on every rank: the newest step that can be rebuilt everywhere."""
     if all(m.fresh for m in members.values()):
-        return ResumePlan(generation=generation, source=ResumeSource.START, step=None, heal_from=None, members=members)
-    holders = {r: m for r, m in members.items() if m.snapshot_steps}
-    replacements = sorted(r for r in members if r not in holders)
-    common: set[int] | None = None
-    for m in members.values():
-        # A holder restores from its own snapshots; a replacement needs its
-        # predecessor's published local state (and a holder to heal from).
-        have = set(m.snapshot_steps) if m.snapshot_steps else set(m.local_steps)
-        common = have if common is None else common & have
-    if holders and common:
-        step = max(common)
-        return ResumePlan(
-            generation=generation,
-            source=ResumeSource.SNAPSHOT,
-            step=step,
-            heal_from=min(holders),
-            replacements=replacements,
-            members=members,
-        )
-    return ResumePlan(generation=generation, source=ResumeSource.DISK, step=None, heal_from=None, members=members)
+        return ResumePlan(generation=generation, source=ResumeSource.START, step=None, members=members)
+    live = {s for m in members.values() for s in (m.live_step, m.snapshot_step) if s is not None}
+    candidates = [s for s in live if all(s in m.local_steps for m in members.values())]
+    if not candidates:
+        return ResumePlan(generation=generation, source=ResumeSource.DISK, step=None, members=members)
+    step = max(candidates)
+    sources = sorted(r for r, m in members.items() if m.live_step == step)
+    from_snapshot = sorted(r for r, m in members.items() if m.live_step != step and m.snapshot_step == step)
+    if not sources:
+        sources = from_snapshot  # they restore their snapshot first, then serve it
+    targets = sorted(r for r in members if r not in sources and r not in from_snapshot)
+    # Spread the targets over the sources: each source sends to about the same number of ranks.
+    heal_from = {t: sources[i % len(sources)] for i, t in enumerate(targets)}
+    return ResumePlan(generation=generation, source=ResumeSource.LIVE, step=step, heal_from=heal_from,
+                      from_snapshot=from_snapshot, members=members)
 
 
 def join_generation(
     store: dist.Store,
     *,
     world_size: int,
-    me: Membership,
+    me: Callable[[], Membership],
     timeout: float,
     finished: Callable[[], bool] = lambda: False,
+    stopped: Callable[[], None] = lambda: None,
 ) -> ResumePlan:
     """Joins the current generation; moves to the next one each time it fails.
 
-    Raises :class:`RunFinished` when ``finished()`` turns true while waiting
-    (the run ended without this rank, which has nothing left to do).
+    ``me()`` is called once per generation tried (what a rank holds does not
+    change while it waits, but it is read fresh). Raises :class:`RunFinished`
+    when ``finished()`` turns true while waiting (the run ended without this
+    rank); ``stopped()`` raises when the job was stopped.
     """
     while True:
         g = current_generation(store)
-        store.set(Keys.member(g, me.rank), me.to_json())
+        member = me()
+        store.set(Keys.member(g, member.rank), member.to_json())
         store.add(Keys.joined(g), 1)
 
         def settled() -> bool:
+            stopped()
             return store.add(Keys.joined(g), 0) >= world_size or store.check([Keys.fault(g)]) or finished()
 
         try:

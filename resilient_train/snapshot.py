@@ -1,14 +1,20 @@
-"""In-memory snapshots of the train state at step boundaries.
+"""Host snapshots of the replicated state: an option for what live replicas can't cover.
+
+Live replicas are the redundancy of data parallelism (docs/design.md); a host
+snapshot (``SupervisorConfig(snapshot_every=k)``) adds a copy of the model
+and optimizer in this process's host memory every ``k`` steps, for faults
+that leave no live replica of a recoverable step (every survivor torn in its
+optimizer update, a job of one rank). It costs a full copy of the state in
+host memory.
+
+On a GPU the copy runs on a side stream into pinned buffers allocated once:
+the side stream waits for the optimizer step that ends the boundary, the copy
+overlaps the next step's forward and backward, and only the next optimizer
+step waits for it (on the device, without the host waiting). The snapshot
+counts as held once its copy has completed.
 
 A state dict is split into a *skeleton* (its plain data, with each tensor
-replaced by a :class:`TensorRef`) and a flat list of tensors. A snapshot copies
-the tensors into buffers it allocated once and reuses: a ``copy_`` into a host
-buffer on CPU; on GPU an asynchronous copy into pinned host memory, ordered on
-the current stream before anything that could modify the source.
-
-:class:`SnapshotRing` keeps the last ``capacity`` step boundaries (two by
-default): after a fault some ranks may have finished one more step than others,
-and the run resumes from the newest step that every rank still holds.
+replaced by a :class:`TensorRef`) and a flat list of tensors.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Snapshot", "SnapshotRing", "TensorRef", "flatten", "unflatten"]
+__all__ = ["HostSnapshot", "TensorRef", "flatten", "unflatten"]
 
 
 @dataclass(frozen=True)
@@ -65,43 +71,63 @@ def _layout(tensors: list[torch.Tensor]) -> list[tuple[torch.Size, torch.dtype]]
     return [(t.shape, t.dtype) for t in tensors]
 
 
-class Snapshot:
-    """One step boundary: a skeleton, host buffers, and the rank-local state."""
+class HostSnapshot:
+    """One step boundary of the replicated state in host memory, plus the rank's local state of it."""
 
     def __init__(self) -> None:
-        self.step: int | None = None
+        self._step: int | None = None
+        self._copying: int | None = None  # a GPU copy in flight for this step
         self.skeleton: Any = None
         self.buffers: list[torch.Tensor] = []
         self.local: bytes = b""
-        self._pending: torch.cuda.Event | None = None
+        self._stream: Any = None
+        self._done: Any = None  # torch.cuda.Event of the copy in flight
+
+    @property
+    def step(self) -> int | None:
+        """The step held, once its copy has completed."""
+        if self._copying is not None and self._done is not None and self._done.query():
+            self._step, self._copying = self._copying, None
+        return self._step
 
     def capture(self, step: int, replicated: Any, local: bytes) -> None:
         skeleton, tensors = flatten(replicated)
         if _layout(tensors) != _layout(self.buffers):
-            # The layout changes rarely (an optimizer creates its state on its
-            # first step); only then are buffers allocated.
+            # The layout changes rarely (an optimizer creates its state on its first step).
             self.buffers = [_host_buffer(t) for t in tensors]
-        pending = False
-        for buf, t in zip(self.buffers, tensors):
-            if t.is_cuda:
-                buf.copy_(t.detach(), non_blocking=True)
-                pending = True
-            else:
-                buf.copy_(t.detach())
-        if pending:
-            self._pending = torch.cuda.Event()
-            self._pending.record()
-        self.step, self.skeleton, self.local = step, skeleton, local
+        self._step = None  # the buffers are being overwritten
+        cuda = [i for i, t in enumerate(tensors) if t.is_cuda]
+        for i, t in enumerate(tensors):
+            if not t.is_cuda:
+                self.buffers[i].copy_(t.detach())
+        if cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=tensors[cuda[0]].device)
+            self._stream.wait_stream(torch.cuda.current_stream(tensors[cuda[0]].device))
+            with torch.cuda.stream(self._stream):
+                torch._foreach_copy_([self.buffers[i] for i in cuda], [tensors[i].detach() for i in cuda],
+                                     non_blocking=True)
+                self._done = torch.cuda.Event()
+                self._done.record(self._stream)
+            self._copying = step
+        else:
+            self._step = step
+        self.skeleton, self.local = skeleton, local
+
+    def before_update(self) -> None:
+        """Called before the optimizer changes the state: it must wait for a copy in flight (on the device)."""
+        if self._copying is not None and self._done is not None:
+            torch.cuda.current_stream(self._done.device if hasattr(self._done, "device") else None).wait_event(self._done)
 
     def synchronize(self) -> None:
-        if self._pending is not None:
-            self._pending.synchronize()
-            self._pending = None
+        if self._done is not None:
+            self._done.synchronize()
+        _ = self.step
 
     def replicated(self) -> Any:
         """A fresh copy of the replicated state, safe to hand to ``load_state_dict``."""
-        assert self.step is not None, "empty snapshot"
         self.synchronize()
+        assert self._step is not None, "no snapshot held"
         return unflatten(self.skeleton, [b.clone() for b in self.buffers])
 
     def nbytes(self) -> int:
@@ -112,41 +138,3 @@ def _host_buffer(t: torch.Tensor) -> torch.Tensor:
     if t.is_cuda:
         return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     return torch.empty_like(t, device="cpu", memory_format=torch.contiguous_format)
-
-
-class SnapshotRing:
-    """The last ``capacity`` step boundaries, oldest overwritten first."""
-
-    def __init__(self, capacity: int = 2) -> None:
-        if capacity < 2:
-            raise ValueError(f"a snapshot ring needs at least 2 slots, got {capacity}")
-        self._slots = [Snapshot() for _ in range(capacity)]
-
-    def capture(self, step: int, replicated: Any, local: bytes) -> Snapshot:
-        slot = self._slot_for(step)
-        slot.capture(step, replicated, local)
-        return slot
-
-    def _slot_for(self, step: int) -> Snapshot:
-        for s in self._slots:
-            if s.step == step:
-                return s
-        empty = [s for s in self._slots if s.step is None]
-        if empty:
-            return empty[0]
-        return min(self._slots, key=lambda s: s.step)  # type: ignore[arg-type,return-value]
-
-    def steps(self) -> list[int]:
-        return sorted(s.step for s in self._slots if s.step is not None)
-
-    def get(self, step: int) -> Snapshot:
-        for s in self._slots:
-            if s.step == step:
-                return s
-        raise KeyError(f"no snapshot of step {step} (have {self.steps()})")
-
-    def drop_after(self, step: int) -> None:
-        """Forgets snapshots newer than ``step`` (after rolling back to it)."""
-        for s in self._slots:
-            if s.step is not None and s.step > step:
-                s.step = None

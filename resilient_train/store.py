@@ -1,14 +1,21 @@
-"""The coordination store: key names, connection, and waits with deadlines.
+"""The coordination store: key names, the job's namespace, and waits with deadlines.
 
 Every key of the runtime lives under ``rt/`` and, where it belongs to one
 generation, carries that generation in its name, so nothing a finished
 generation left behind is ever read by the next one.
+
+The keys of a job live under a namespace derived from the job's secret token
+(``RT_JOB_TOKEN``, made by the agent and handed to its ranks in their
+environment, which only the job's own user can read): a process that reaches
+the store's port but not the token writes keys that nobody reads, so it can
+neither end nor fail the job (docs/security.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -18,7 +25,10 @@ import torch.distributed as dist
 from resilient_train import env as E
 from resilient_train.env import WorkerEnv
 
-__all__ = ["Keys", "StoreTimeout", "attempt_store", "connect_worker_store", "declare_fault", "read_fault", "current_generation", "wait_until"]
+__all__ = [
+    "Keys", "StoreTimeout", "attempt_store", "connect_worker_store", "current_generation", "declare_fault",
+    "job_store", "new_token", "read_fault", "read_stop", "request_stop", "wait_until",
+]
 
 
 class StoreTimeout(TimeoutError):
@@ -30,6 +40,7 @@ class Keys:
 
     GENERATION = "rt/generation"
     FINAL = "rt/final"  # set once the final state is committed
+    STOP = "rt/stop"  # set when a rank stops the job (a bug, a misuse): JSON with the reason and exit code
 
     @staticmethod
     def fault(g: int) -> str:
@@ -52,8 +63,9 @@ class Keys:
         return f"rt/gen/{g}/done"
 
     @staticmethod
-    def local_state(rank: int, slot: int) -> str:
-        return f"rt/local/{rank}/{slot}"
+    def gen_scope(g: int, name: str) -> str:
+        """A key of generation ``g`` for one of the runtime's parts (checkpoints, rerun)."""
+        return f"rt/gen/{g}/{name}"
 
     @staticmethod
     def supervised(rank: int) -> str:
@@ -62,6 +74,15 @@ class Keys:
     @staticmethod
     def chaos_fired(index: int) -> str:
         return f"rt/chaos/fired/{index}"
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def job_store(store: dist.Store, token: str) -> dist.Store:
+    """The job's namespace on ``store``: keys written without ``token`` never land in it."""
+    return dist.PrefixStore(f"job-{token}", store)
 
 
 def attempt_store(store: dist.Store, attempt: int) -> dist.Store:
@@ -74,7 +95,7 @@ def connect_worker_store(env: WorkerEnv, *, timeout: timedelta) -> dist.Store:
     if env.under_agent or os.environ.get(E.TORCHELASTIC_USE_AGENT_STORE) == "True":
         store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
     elif E.MASTER_PORT not in os.environ:
-        # Alone, with no launcher: an in-process store.
+        # Alone, with no launcher: an in-process store on loopback.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
     else:
         # Plain torchrun with its own store disabled: rank 0 hosts, as env:// would.
@@ -82,9 +103,9 @@ def connect_worker_store(env: WorkerEnv, *, timeout: timedelta) -> dist.Store:
             env.master_addr, env.master_port, world_size=env.world_size, is_master=env.rank == 0,
             timeout=timeout, wait_for_workers=False,
         )
-    # A launcher that restarts every worker (torchrun) may keep its store:
-    # each attempt gets its own keys.
-    return attempt_store(store, int(os.environ.get(E.TORCHELASTIC_RESTART_COUNT, "0")))
+    token = os.environ.get(E.RT_JOB_TOKEN) or os.environ.get(E.TORCHELASTIC_RUN_ID, "none")
+    # A launcher that restarts every worker (torchrun) may keep its store: each attempt gets its own keys.
+    return attempt_store(job_store(store, token), int(os.environ.get(E.TORCHELASTIC_RESTART_COUNT, "0")))
 
 
 def current_generation(store: dist.Store) -> int:
@@ -112,6 +133,18 @@ def read_fault(store: dist.Store, generation: int) -> dict[str, Any] | None:
     if not store.check([key]):
         return None
     return json.loads(store.get(key))
+
+
+def request_stop(store: dist.Store, reason: dict[str, Any]) -> dict[str, Any]:
+    """Stops the job (first reason wins); returns the reason that stands."""
+    payload = json.dumps(reason, default=str)
+    return json.loads(store.compare_set(Keys.STOP, "", payload))
+
+
+def read_stop(store: dist.Store) -> dict[str, Any] | None:
+    if not store.check([Keys.STOP]):
+        return None
+    return json.loads(store.get(Keys.STOP))
 
 
 def wait_until(

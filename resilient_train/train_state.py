@@ -2,24 +2,24 @@
 
 Two parts, because they heal differently:
 
-* *replicated*: the model and the optimizer. Data-parallel ranks hold the same
-  values, so a replacement rank copies them from any healthy peer.
+* *replicated*: the model, the optimizer, and whatever else every
+  data-parallel replica holds the same (LR schedulers, a GradScaler). A rank
+  that lost it copies it from a live replica.
 * *local*: the step (the data position), the RNG states and the user's own
   per-rank state (a data loader's position, say). Each rank publishes its own
-  after every step (a few KB), so a replacement takes over the state of the rank
-  it replaces.
+  at every step (a few KB, :mod:`resilient_train.local_state`), so a
+  replacement takes over the state of the rank it replaces.
 """
 
 from __future__ import annotations
 
-import io
 import random
 import sys
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Stateful", "TrainState", "capture_rng", "restore_rng"]
+__all__ = ["RngUse", "Stateful", "TrainState", "as_float", "capture_rng", "restore_rng"]
 
 
 @runtime_checkable
@@ -29,19 +29,58 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def capture_rng() -> dict[str, Any]:
+class RngUse:
+    """Whether the script ever drew from ``random`` or NumPy's global RNG.
+
+    A script that never uses them and never seeds them carries a different
+    (unused) state in every process; the final state marks such a state
+    ``"unused"`` so two fault-free runs still compare equal. The flags travel in
+    the local state, so a replacement inherits its predecessor's.
+    """
+
+    def __init__(self) -> None:
+        self.used = {"python": False, "numpy": False}
+        self._last: dict[str, Any] = {}
+
+    def observe(self, name: str, state: Any) -> None:
+        if not self.used[name]:
+            last = self._last.get(name)
+            if last is not None and not _same(last, state):
+                self.used[name] = True
+            self._last[name] = state
+
+    def reset_to(self, used: Mapping[str, bool], states: Mapping[str, Any]) -> None:
+        self.used = {k: bool(used.get(k, False)) for k in self.used}
+        self._last = dict(states)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def capture_rng(use: RngUse | None = None) -> dict[str, Any]:
     """The RNG states of torch (CPU and every initialised CUDA device), ``random`` and NumPy."""
-    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _to_plain(random.getstate())}
+    py = _to_plain(random.getstate())
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": py}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     np = sys.modules.get("numpy")
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
         rng["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
+    if use is not None:
+        use.observe("python", py)
+        if "numpy" in rng:
+            use.observe("numpy", rng["numpy"])
+        rng["used"] = dict(use.used)
     return rng
 
 
-def restore_rng(rng: dict[str, Any]) -> None:
+def restore_rng(rng: dict[str, Any], use: RngUse | None = None) -> None:
     torch.set_rng_state(rng["torch"])
     random.setstate(_to_tuple(rng["python"]))
     if "cuda" in rng and torch.cuda.is_available():
@@ -51,15 +90,19 @@ def restore_rng(rng: dict[str, Any]) -> None:
 
         name, keys, pos, has_gauss, cached = rng["numpy"]
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if use is not None:
+        use.reset_to(rng.get("used", {}), {k: rng[k] for k in ("python", "numpy") if k in rng})
 
 
 def _to_plain(state: tuple) -> list:
     version, internal, gauss = state
-    return [version, list(internal), gauss]
+    return [version, torch.tensor(internal, dtype=torch.int64), gauss]
 
 
 def _to_tuple(state: list) -> tuple:
     version, internal, gauss = state
+    if isinstance(internal, torch.Tensor):
+        internal = internal.tolist()
     return (version, tuple(internal), gauss)
 
 
@@ -67,8 +110,10 @@ class TrainState:
     """The model, its optimizer, the data position and the RNG states of one rank.
 
     ``step`` counts completed steps; with data that is a function of
-    ``(seed, step, rank)`` it is the whole data position. ``extra`` is any
-    per-rank object with ``state_dict``/``load_state_dict`` (a data loader).
+    ``(seed, step, rank)`` it is the whole data position. ``replicated`` holds
+    more objects every replica holds the same (``{"scheduler": sched}``);
+    ``extra`` is a per-rank object (a data loader). Both need
+    ``state_dict``/``load_state_dict``.
     """
 
     def __init__(
@@ -76,17 +121,28 @@ class TrainState:
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
+        replicated: Mapping[str, Stateful] | None = None,
         extra: Stateful | None = None,
         step: int = 0,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("pass the module inside DDP (TrainState(model=model)) and wrap it with sup.ddp(model): "
+                             "a DDP object is tied to one generation's process group")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for name, obj in (replicated or {}).items():
+            if not isinstance(obj, Stateful):
+                raise ValueError(f"replicated[{name!r}] must have state_dict() and load_state_dict()")
         if extra is not None and not isinstance(extra, Stateful):
             raise ValueError("extra must have state_dict() and load_state_dict()")
         self.model = model
         self.optimizer = optimizer
+        self.replicated = dict(replicated or {})
         self.extra = extra
         self.step = step
+        self.rng_use = RngUse()
         # Per-rank state the runtime keeps for itself (the rerun machine): saved and restored beside the user's.
         self.runtime: dict[str, Stateful] = {}
 
@@ -94,15 +150,19 @@ class TrainState:
         sd: dict[str, Any] = {"model": self.model.state_dict()}
         if self.optimizer is not None:
             sd["optimizer"] = self.optimizer.state_dict()
+        if self.replicated:
+            sd["replicated"] = {name: obj.state_dict() for name, obj in self.replicated.items()}
         return sd
 
     def load_replicated(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(sd["optimizer"])
+        for name, obj in self.replicated.items():
+            obj.load_state_dict(sd["replicated"][name])
 
     def local_state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {"step": self.step, "rng": capture_rng()}
+        sd: dict[str, Any] = {"step": self.step, "rng": capture_rng(self.rng_use)}
         if self.extra is not None:
             sd["extra"] = self.extra.state_dict()
         for name, obj in self.runtime.items():
@@ -111,7 +171,7 @@ class TrainState:
 
     def load_local(self, sd: dict[str, Any]) -> None:
         self.step = int(sd["step"])
-        restore_rng(sd["rng"])
+        restore_rng(sd["rng"], self.rng_use)
         if self.extra is not None and "extra" in sd:
             self.extra.load_state_dict(sd["extra"])
         for name, obj in self.runtime.items():
@@ -119,19 +179,23 @@ class TrainState:
                 obj.load_state_dict(sd[name])
 
     def state_dict(self, *, local_states: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        """The whole job's state: replicated once, each rank's local state by rank."""
-        return {**self.replicated_state_dict(), "ranks": {str(r): s for r, s in sorted(local_states.items())}}
+        """The whole job's state: replicated once, each rank's local state by rank.
 
-
-def encode_local(sd: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    return buf.getvalue()
-
-
-def decode_local(data: bytes) -> dict[str, Any]:
-    # weights_only: plain data and tensors only, nothing is executed.
-    return torch.load(io.BytesIO(data), weights_only=True)
+        An RNG the script never used is written as ``"unused"``: its value is
+        whatever the process started with, not part of the run.
+        """
+        ranks = {}
+        for r, s in sorted(local_states.items()):
+            s = dict(s)
+            rng = dict(s.get("rng", {}))
+            used = rng.pop("used", None)
+            if used is not None:
+                for name in ("python", "numpy"):
+                    if name in rng and not used.get(name, True):
+                        rng[name] = "unused"
+            s["rng"] = rng
+            ranks[str(r)] = s
+        return {**self.replicated_state_dict(), "ranks": ranks}
 
 
 def as_float(x: Any) -> float | None:

@@ -1,4 +1,4 @@
-"""The watcher thread: notices a generation declared failed while the main thread computes."""
+"""The watcher thread: notices a generation declared failed, or the job stopped, while the main thread computes."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from resilient_train.store import current_generation
+from resilient_train.store import Keys, current_generation
 
 __all__ = ["GenerationWatcher"]
 
 
 class GenerationWatcher:
-    """Polls the store's generation; once it moves past :attr:`generation`,
-    sets :attr:`moved` and calls ``on_moved`` (the NCCL abort).
+    """Polls the store; once the generation moves past :attr:`generation` (or the
+    job is stopped), sets :attr:`moved` and calls ``on_moved`` (the NCCL abort).
 
-    The main thread checks :attr:`moved` at every phase boundary. ``moved`` is
-    set *before* ``on_moved`` runs, so a main thread released by the abort
-    always finds it set.
+    The main thread checks :attr:`moved` at every phase boundary and at the
+    commit. ``moved`` is set *before* ``on_moved`` runs, so a main thread
+    released by the abort always finds it set.
     """
 
     def __init__(
@@ -26,6 +26,7 @@ class GenerationWatcher:
     ) -> None:
         self.generation = -1
         self.moved = threading.Event()
+        self.stopped = threading.Event()
         self._store = store.clone()  # its own connection: the main thread's may be mid-request
         self._interval_s = interval_s
         self._on_moved = on_moved
@@ -45,12 +46,15 @@ class GenerationWatcher:
     def _loop(self) -> None:
         while not self._stop.wait(self._interval_s):
             g = self.generation
-            if g < 0 or self.moved.is_set():
+            if self.moved.is_set():
                 continue
             try:
-                moved = current_generation(self._store) > g
-            except Exception:  # the store is briefly unreachable: look again next time
+                stopped = self._store.check([Keys.STOP])
+                moved = g >= 0 and current_generation(self._store) > g
+            except Exception:  # noqa: BLE001  (the store is briefly unreachable: look again next time)
                 continue
-            if moved and g == self.generation:
+            if stopped:
+                self.stopped.set()
+            if (moved and g == self.generation) or stopped:
                 self.moved.set()
                 self._on_moved()

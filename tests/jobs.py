@@ -13,7 +13,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "train_gpt.py"
 # Small enough for 4 ranks on 2 cores, big enough to have every kind of state.
-SMALL_GPT = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--log-every", "0"]
+SMALL_GPT = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--log-every", "0",
+             "--reproducible"]
 
 
 @dataclass

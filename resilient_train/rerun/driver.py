@@ -5,10 +5,12 @@ all-reduce of a table with a row per rank), and every rank applies the same
 rules of :mod:`resilient_train.rerun.policy` to the same table, so every rank
 takes the same decision without another round of agreement.
 
-The supervisor supplies the hooks: ``exchange`` (the all-reduce of the table),
-``recompute(as_rank)`` (roll back to the step's snapshot and compute the step
-as ``as_rank``: its data and its RNG), ``rewind`` (back to the step's
-snapshot), ``save`` (the last good state, for a stop) and ``exit``.
+The flow runs before the step is committed (its result is known before the
+optimizer may apply it), so the state is still at the step's boundary. The
+supervisor supplies the hooks: ``exchange`` (the all-reduce of the table),
+``recompute(as_rank)`` (compute the step as ``as_rank``: its data and its RNG,
+up to its commit), ``rewind`` (back to this rank's own boundary local state),
+``save`` (the last good state, for a stop) and ``exit``.
 """
 
 from __future__ import annotations
@@ -63,33 +65,31 @@ class RerunDriver:
         self.device_index: int | None = None  # this rank's CUDA device, when it has one
 
     # ------------------------------------------------------------ entry
-    @property
-    def piggyback(self) -> bool:
-        """Whether the host may carry the verdict on its gradient all-reduce (see :meth:`precheck`)."""
-        return self.config.mode is RerunMode.VALIDATE_RESULTS
-
     def precheck(self, result: StepResult) -> bool:
-        """This rank's verdict, before the gradient all-reduce: False means poison the gradients (somebody rejected)."""
+        """This rank's verdict, before its vote goes out: False means vote NaN (somebody rejected)."""
         return self.machine.validators.check(result).accepted
 
-    def after_step(self, step: int, result: StepResult, recompute: Callable[[int], StepResult], *,
-                   agreed_ok: bool | None = None) -> Outcome:
-        """Called after every step, before its snapshot; every rank calls it with the same ``step``.
+    def accept(self, result: StepResult) -> None:
+        """An accepted result enters the running history (before the boundary it ends at is published)."""
+        self.machine.count("steps_validated")
+        self.machine.validators.commit(result)
 
-        ``agreed_ok`` True: the gradient all-reduce showed that no rank rejected
-        this step, so no table is exchanged. False or None: the table decides.
+    def resolve(self, step: int, first: StepResult, recompute: Callable[[int], StepResult]) -> Outcome:
+        """The flow after somebody rejected ``step`` (every rank calls it, with the same ``step``).
+
+        Nothing was committed: the state is still at the step's boundary.
+        ``recompute(as_rank)`` computes the step as ``as_rank`` (its data, its
+        RNG) up to its commit and returns the result.
         """
         try:
-            if self.config.mode is RerunMode.REPORT_DETERMINISM_STATS:
-                if step % self.config.determinism_interval == 0:
-                    self._determinism(step, result, recompute)
-                return Outcome.KEEP
-            if agreed_ok:
-                assert self.machine.validators.check(result).accepted, "a rejection must poison the all-reduce"
-                self.machine.count("steps_validated")
-                self.machine.validators.commit(result)
-                return Outcome.KEEP
-            return self._validate(step, result, recompute)
+            return self._validate(step, first, recompute)
+        except BaseException:
+            self.machine.abort()
+            raise
+
+    def determinism(self, step: int, first: StepResult, recompute: Callable[[int], StepResult]) -> None:
+        try:
+            self._determinism(step, first, recompute)
         except BaseException:
             self.machine.abort()
             raise
@@ -99,7 +99,6 @@ class RerunDriver:
         m = self.machine
         verdict = m.validators.check(first)
         table = self._share(verdict, first)
-        m.count("steps_validated")
         rejected = [r for r, row in enumerate(table) if row[0] != 0]
         if not rejected:
             m.validators.commit(first)

@@ -5,35 +5,53 @@ from __future__ import annotations
 import pytest
 import torch
 
+from resilient_train.errors import FailureKind, GenerationFailed, UsageError, classify
 from resilient_train.generation import Membership, ResumeSource, plan_resume
 from resilient_train.lifecycle import IllegalTransition, Lifecycle, SupervisorState
-from resilient_train.snapshot import SnapshotRing
+from resilient_train.snapshot import HostSnapshot
 
 
-def _m(rank, snaps=(), local=(), replacement=False, fresh=False):
-    return Membership(rank=rank, pid=100 + rank, snapshot_steps=list(snaps), local_steps=list(local),
+def _m(rank, live=None, local=(), snap=None, replacement=False, fresh=False):
+    return Membership(rank=rank, pid=100 + rank, live_step=live, snapshot_step=snap, local_steps=list(local),
                       replacement=replacement, fresh=fresh)
 
 
 @pytest.mark.timeout(10)
-def test_plan_resumes_from_newest_common_step():
-    # Rank 0 finished step 6, rank 1 did not; rank 2 is a replacement whose
-    # predecessor published steps 5 and 6.
-    plan = plan_resume(3, {0: _m(0, [5, 6]), 1: _m(1, [4, 5]), 2: _m(2, local=[5, 6], replacement=True)})
-    assert plan.source is ResumeSource.SNAPSHOT
-    assert (plan.step, plan.heal_from, plan.replacements) == (5, 0, [2])
+def test_fault_before_the_commit_resumes_every_survivor_where_it_stands():
+    # Rank 2 died in step 6 before the reduction completed: nobody committed 7.
+    plan = plan_resume(3, {0: _m(0, 6, [5, 6, 7]), 1: _m(1, 6, [5, 6, 7]), 2: _m(2, None, [5, 6], replacement=True)})
+    assert plan.source is ResumeSource.LIVE
+    assert plan.step == 6
+    assert plan.heal_from == {2: 0}
 
 
 @pytest.mark.timeout(10)
-def test_plan_rolls_back_further_when_the_dead_rank_lacks_the_newest_local_state():
-    plan = plan_resume(1, {0: _m(0, [5, 6]), 1: _m(1, local=[4, 5], replacement=True)})
-    assert plan.step == 5
+def test_fault_after_a_commit_moves_everyone_to_the_newest_boundary():
+    # Rank 0 committed step 6 (now at 7); rank 1's reduction failed (still at 6); rank 2 died after voting.
+    plan = plan_resume(3, {0: _m(0, 7, [6, 7]), 1: _m(1, 6, [6, 7]), 2: _m(2, None, [6, 7], replacement=True)})
+    assert plan.step == 7
+    assert plan.heal_from == {1: 0, 2: 0}
 
 
 @pytest.mark.timeout(10)
-def test_plan_falls_back_to_disk_without_a_common_step():
-    assert plan_resume(1, {0: _m(0, local=[3]), 1: _m(1, local=[3])}).source is ResumeSource.DISK
-    assert plan_resume(1, {0: _m(0, [7, 8]), 1: _m(1, local=[3, 4])}).source is ResumeSource.DISK
+def test_targets_are_spread_over_the_holders():
+    members = {r: _m(r, 9, [8, 9]) for r in range(4)}
+    members.update({r: _m(r, None, [8, 9], replacement=True) for r in (4, 5, 6, 7)})
+    plan = plan_resume(1, members)
+    assert plan.heal_from == {4: 0, 5: 1, 6: 2, 7: 3}
+
+
+@pytest.mark.timeout(10)
+def test_a_step_whose_local_state_is_missing_somewhere_is_not_a_candidate():
+    # Rank 0 holds 7 live but rank 1's replacement has only its predecessor's step 6: resume at 6 from the snapshot.
+    plan = plan_resume(1, {0: _m(0, 7, [6, 7], snap=6), 1: _m(1, None, [5, 6], replacement=True)})
+    assert plan.step == 6 and plan.from_snapshot == [0] and plan.heal_from == {1: 0}
+
+
+@pytest.mark.timeout(10)
+def test_no_replica_falls_back_to_disk():
+    assert plan_resume(1, {0: _m(0, None, [3]), 1: _m(1, None, [3])}).source is ResumeSource.DISK
+    assert plan_resume(1, {0: _m(0, 8, [8]), 1: _m(1, None, [3, 4])}).source is ResumeSource.DISK
 
 
 @pytest.mark.timeout(10)
@@ -42,23 +60,43 @@ def test_plan_fresh_run():
 
 
 @pytest.mark.timeout(10)
-def test_snapshot_ring_keeps_two_steps_and_reuses_buffers():
-    ring = SnapshotRing(2)
+def test_membership_round_trips_through_json():
+    m = _m(3, 7, [6, 7], snap=5, replacement=True)
+    assert Membership.from_json(m.to_json()) == m
+
+
+@pytest.mark.timeout(10)
+def test_host_snapshot_reuses_its_buffers_and_hands_out_copies():
+    snap = HostSnapshot()
     w = torch.arange(4.0)
-    ring.capture(1, {"w": w}, b"one")
-    first_buffer = ring.get(1).buffers[0]
+    snap.capture(1, {"w": w}, b"one")
+    first_buffer = snap.buffers[0]
     w.add_(1)
-    ring.capture(2, {"w": w}, b"two")
-    w.add_(1)
-    ring.capture(3, {"w": w}, b"three")  # overwrites step 1's slot, in place
-    assert ring.steps() == [2, 3]
-    assert ring.get(3).buffers[0] is first_buffer
-    restored = ring.get(2).replicated()["w"]
+    snap.capture(2, {"w": w}, b"two")
+    assert snap.step == 2 and snap.buffers[0] is first_buffer
+    restored = snap.replicated()["w"]
     assert torch.equal(restored, torch.arange(4.0) + 1)
     restored.add_(100)  # a restored copy must not alias the snapshot
-    assert torch.equal(ring.get(2).replicated()["w"], torch.arange(4.0) + 1)
-    ring.drop_after(2)
-    assert ring.steps() == [2]
+    assert torch.equal(snap.replicated()["w"], torch.arange(4.0) + 1)
+
+
+@pytest.mark.timeout(10)
+def test_failures_are_classified():
+    def raised(exc):
+        try:
+            raise exc
+        except BaseException as e:  # noqa: BLE001
+            return classify(e)
+
+    assert raised(GenerationFailed("moved")).kind is FailureKind.FAULT
+    assert raised(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:29067")).kind is FailureKind.FAULT
+    assert raised(UsageError("misuse")).kind is FailureKind.USAGE
+    assert raised(KeyError("tokens")).kind is FailureKind.EXCEPTION
+    assert raised(RuntimeError("shape mismatch in restore_weights")).kind is FailureKind.EXCEPTION
+    # The same error at another port or pid has the same signature; another message does not.
+    a, b = raised(KeyError("x at 1234")), raised(KeyError("x at 999"))
+    assert a.signature.split(" @ ")[0] == b.signature.split(" @ ")[0]
+    assert raised(KeyError("y")).signature != a.signature
 
 
 @pytest.mark.timeout(10)

@@ -1,0 +1,133 @@
+"""The commit of a step: the optimizer may change the state only once every rank voted for it.
+
+A step's optimizer update is the only moment a rank's replicated state
+changes. Before it, a fault leaves the rank exactly at the boundary it
+started from (its gradients are thrown away); after it, at the next one. The
+gate stands between the two: the optimizer's step pre-hook (or the end of the
+step, if the optimizer never stepped) reads the vote that rode in the
+gradient reduction (:mod:`resilient_train.reducer`), and lets the update
+happen only if every rank contributed and agreed and the generation still
+stands. On a GPU reading the vote waits for the reduction's kernels: an NCCL
+collective aborted after a peer died yields garbage, and the gate is what
+keeps garbage out of the optimizer.
+
+Buffers a forward pass changes (BatchNorm's running statistics) are the one
+other state a step changes before its commit: :class:`BufferGuard` keeps a
+device copy of those that changed at the last boundary, to put back after a
+fault before the commit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from resilient_train.errors import GenerationFailed
+from resilient_train.reducer import GradientReducer
+
+__all__ = ["BufferGuard", "CommitGate", "StepMeasured", "StepRejected"]
+
+
+class _Flow(BaseException):
+    """Control flow out of a user's step: a BaseException, so an ``except Exception`` in it lets it pass."""
+
+
+class StepRejected(_Flow):
+    """A rank's validators rejected the step (the vote was NaN): nobody commits; the rerun flow decides."""
+
+
+class StepMeasured(_Flow):
+    """A computation run only to measure its result (a re-run) reached the gate."""
+
+
+class CommitGate:
+    """Decides, once per step, whether the optimizer may apply it.
+
+    ``vote()`` is this rank's vote, computed just before it goes out (the
+    supervisor publishes the next boundary's local state first). ``decide``
+    maps the reduced vote to: commit (return), :class:`StepRejected`,
+    :class:`StepMeasured`, or :class:`GenerationFailed`.
+    """
+
+    def __init__(self, *, world_size: int, group: Callable[[], dist.ProcessGroup | None],
+                 device: torch.device, vote: Callable[[], float], moved: Callable[[], bool],
+                 decide: Callable[[float], None], before_update: Callable[[], None]) -> None:
+        self.world_size = world_size
+        self._group = group
+        self._device = device
+        self._vote = vote
+        self._moved = moved
+        self._decide = decide
+        self._before_update = before_update
+        self.reducers: list[GradientReducer] = []
+        self.committed = False
+        self._fallback_used = False
+
+    def begin_step(self) -> None:
+        self.committed = False
+        for r in self.reducers:
+            r.reset()
+
+    def pre_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self.commit()
+
+    def commit(self) -> None:
+        """Returns when the step may be applied; raises otherwise. Idempotent within a step."""
+        if self.committed:
+            return
+        reduced = [r for r in self.reducers if r.reduced]
+        if reduced:
+            totals = [r.vote_sum() for r in reduced]  # on a GPU: waits for the reduction's kernels
+        else:
+            totals = [self._fallback_vote()]
+        if self._moved():
+            raise GenerationFailed("the generation was declared failed while the step ran")
+        for total in totals:
+            if math.isnan(total):
+                self._decide(total)  # the rerun flow: raises
+            elif total != self.world_size:
+                raise GenerationFailed(f"only {total:g} of {self.world_size} ranks voted to commit the step")
+        self._decide(totals[0])
+        self._before_update()
+        self.committed = True
+
+    def _fallback_vote(self) -> float:
+        """The vote of a step whose gradients did not go through a reducer (one rank, or the user's own)."""
+        vote = self._vote()
+        if self.world_size == 1:
+            return vote
+        if not self._fallback_used:
+            self._fallback_used = True  # a one-element all-reduce per step: the cost of an unknown reduction
+        t = torch.tensor([vote], dtype=torch.float32, device=self._device)
+        dist.all_reduce(t, group=self._group())
+        return float(t.item())
+
+
+class BufferGuard:
+    """Puts back the buffers a failed step's forward changed."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+        self._saved: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def mark(self) -> None:
+        """At a step boundary: copies the buffers that changed since the last mark (on their device)."""
+        for name, buf in self._module.named_buffers():
+            seen = self._saved.get(name)
+            if seen is None or seen[0] != buf._version or seen[1].shape != buf.shape:
+                self._saved[name] = (buf._version, buf.detach().clone())
+
+    def restore(self) -> int:
+        """After a fault before the commit: buffers changed since the mark get their boundary values back."""
+        restored = 0
+        with torch.no_grad():
+            for name, buf in self._module.named_buffers():
+                seen = self._saved.get(name)
+                if seen is not None and seen[0] != buf._version and seen[1].shape == buf.shape:
+                    buf.copy_(seen[1])
+                    self._saved[name] = (buf._version, seen[1])
+                    restored += 1
+        return restored

@@ -1,0 +1,95 @@
+"""DistributedDataParallel across generations.
+
+A DDP object is tied to the process group it was built on, and every
+generation builds a new one. ``sup.ddp(model, **ddp_kwargs)`` returns a
+:class:`ReplicatedModule`: call it as you would the DDP model; each
+generation it builds DDP again on that generation's group, with the
+supervisor's reducer as its communication hook, so the gradients are reduced
+in one fixed layout (bitwise the same in every generation, and the same as
+``ctx.average_gradients()``) while communication still overlaps backward.
+
+A script that builds DDP itself in ``on_new_group`` works too: the
+supervisor finds that DDP and registers the same hook. A DDP built in an
+earlier generation and still in use is a misuse, stopped with one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from resilient_train.errors import UsageError
+from resilient_train.reducer import GradientReducer
+
+__all__ = ["ReplicatedModule", "find_ddp"]
+
+
+class ReplicatedModule(torch.nn.Module):
+    """``model`` data-parallel under the supervisor; rebuilt on every generation's process group."""
+
+    def __init__(self, module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        for bad in ("process_group", "device_mesh"):
+            if bad in ddp_kwargs:
+                raise UsageError(f"sup.ddp(..., {bad}=...): the supervisor gives DDP each generation's group itself")
+        self.module = module
+        self._kwargs = ddp_kwargs
+        self._ddp: DDP | None = None
+
+    def rebuild(self, group: dist.ProcessGroup, reducer: GradientReducer, *, first: bool) -> None:
+        """Builds DDP on ``group``; only the first generation syncs the module from rank 0 (later ones heal)."""
+        self._ddp = None  # the last generation's DDP goes first: it holds the old group
+        kwargs = dict(self._kwargs)
+        if not first:
+            kwargs.setdefault("init_sync", False)
+        ddp = DDP(self.module, process_group=group, **kwargs)
+        reducer.register(ddp)
+        object.__setattr__(self, "_ddp", ddp)  # not a submodule: state_dict() stays the model's
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ddp is None:
+            raise UsageError("the DDP model was called outside sup.run: it exists once a generation's group is built")
+        return self._ddp(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync`` (gradient accumulation) on the current generation's DDP."""
+        if self._ddp is None:
+            raise UsageError("no_sync() outside sup.run")
+        with self._ddp.no_sync():
+            yield
+
+
+def find_ddp(module: torch.nn.Module) -> list[DDP]:
+    """The DDP objects that wrap ``module`` (found through who refers to it; once per generation)."""
+    found = []
+    for ref in gc.get_referrers(module):
+        if isinstance(ref, dict):
+            for owner in gc.get_referrers(ref):
+                if isinstance(owner, DDP) and owner.module is module and owner not in found:
+                    found.append(owner)
+    return found
+
+
+def adopt_user_ddp(module: torch.nn.Module, group: dist.ProcessGroup, make_reducer: Callable[[], GradientReducer],
+                   generation: int) -> int:
+    """Checks the DDPs a script built itself around ``module``; gives the current ones the fixed-layout hook.
+
+    Returns how many were adopted. Raises :class:`UsageError` for a DDP of an
+    earlier generation (built once, outside ``on_new_group``).
+    """
+    adopted = 0
+    for ddp in find_ddp(module):
+        if ddp.process_group is not group:
+            raise UsageError(
+                f"a DistributedDataParallel built in an earlier generation is still in use in generation {generation}: "
+                "build it in on_new_group (or use sup.ddp(model)); each generation has a new process group")
+        if not getattr(ddp, "_comm_hooks", []):
+            make_reducer().register(ddp)
+            adopted += 1
+    return adopted

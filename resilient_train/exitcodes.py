@@ -1,0 +1,27 @@
+"""Exit codes of ranks and of the agent, in one table.
+
+=====  ======================================================================
+code   meaning
+=====  ======================================================================
+0      the job finished (its final state is committed)
+1      the script failed (torchrun's meaning: restarts spent, or none allowed)
+2      bad input: a one-line error, before any worker started
+16     rerun: a rank computed wrong results and was excluded (re-run elsewhere)
+17     rerun: validation failed on a genuine event; the last good state is saved
+93     stopped, do not requeue: a bug (an exception that reproduced on its
+       replay), a misuse of the runtime, or no progress across attempts
+=====  ======================================================================
+
+16 and 17 are Megatron-Core's rerun codes; 93 is NVRx's "do not requeue".
+"""
+
+from __future__ import annotations
+
+__all__ = ["BAD_INPUT", "FAILED", "OK", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
+
+OK = 0
+FAILED = 1
+BAD_INPUT = 2
+RERUN_ELSEWHERE = 16
+VALIDATION_FAILED = 17
+STOPPED = 93

@@ -1,0 +1,78 @@
+"""Rank-local state in the store: written in one place, read in one place.
+
+Each rank publishes the local state of its next step boundary (step, RNG
+states, the data position) before its vote on the step goes out, into one of
+two slots per rank (``step % 2``), so the boundary a step starts from and the
+one it ends at are both in the store. A replacement takes over the state its
+predecessor published. A host snapshot's local state has a slot of its own.
+
+A slot holds ``b"<step>\\n" + payload``; the payload is ``torch.save`` output
+read back with ``weights_only=True``: plain data and tensors, nothing executed.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LocalSlots", "decode_local", "encode_local"]
+
+
+def encode_local(sd: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def decode_local(data: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class LocalSlots:
+    """The published local states of every rank, through one store."""
+
+    SNAPSHOT = "snap"
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+
+    @staticmethod
+    def key(rank: int, slot: int | str) -> str:
+        return f"rt/local/{rank}/{slot}"
+
+    def publish(self, rank: int, step: int, payload: bytes, *, snapshot: bool = False) -> None:
+        slot = self.SNAPSHOT if snapshot else step % 2
+        self._store.set(self.key(rank, slot), f"{step}\n".encode() + payload)
+
+    def steps(self, rank: int) -> list[int]:
+        """The steps whose local state ``rank`` has published (ring slots and snapshot)."""
+        found = set()
+        for slot in (0, 1, self.SNAPSHOT):
+            head = self._head(rank, slot)
+            if head is not None:
+                found.add(head[0])
+        return sorted(found)
+
+    def read(self, rank: int, step: int) -> bytes | None:
+        """``rank``'s published local state of ``step``, or None."""
+        for slot in (step % 2, self.SNAPSHOT):
+            head = self._head(rank, slot)
+            if head is not None and head[0] == step:
+                return head[1]
+        return None
+
+    def read_decoded(self, rank: int, step: int) -> dict[str, Any]:
+        payload = self.read(rank, step)
+        if payload is None:
+            raise RuntimeError(f"rank {rank} has not published its local state of step {step}")
+        return decode_local(payload)
+
+    def _head(self, rank: int, slot: int | str) -> tuple[int, bytes] | None:
+        key = self.key(rank, slot)
+        if not self._store.check([key]):
+            return None
+        head, payload = self._store.get(key).split(b"\n", 1)
+        return int(head), payload

@@ -1,0 +1,207 @@
+"""The parts of the runtime that plug into the supervisor's loop, behind one small protocol.
+
+The loop (:mod:`resilient_train.supervisor`) owns the generations, the commit
+and the healing; everything optional (progress reporting for the agent's
+monitors, chaos injection, disk checkpoints, host snapshots, NVRx's CUPTI
+scores, the rerun machine) is a :class:`Part` in a list, called at the same
+few points. A part implements only the hooks it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from chaos import Fault, Injector, Phase
+from chaos.values import ValueFaults
+from monitors import ProgressReporter
+from monitors.cupti_kernels import CuptiConfig, CuptiKernelScores
+from monitors.events import EventLog
+from resilient_train.disk import DiskCheckpoints
+from resilient_train.snapshot import HostSnapshot
+from resilient_train.train_state import TrainState
+
+__all__ = ["ChaosPart", "CuptiPart", "DiskPart", "Part", "Parts", "ProgressPart", "SnapshotPart"]
+
+
+class Part:
+    """The hooks; each default does nothing."""
+
+    def on_generation(self, generation: int, store: dist.Store) -> None:
+        """A new generation's process group exists."""
+
+    def on_restored(self, state: TrainState) -> None:
+        """The state is restored (healed, or loaded); training starts next."""
+
+    def on_phase(self, phase: str, step: int) -> None:
+        """The main thread enters ``phase`` of ``step`` (a chaos fault may fire here)."""
+
+    def on_loss(self, loss: torch.Tensor, step: int, data_rank: int) -> torch.Tensor:
+        """The loss a step reports through ``ctx.loss``; returns the loss to use."""
+        return loss
+
+    def before_chunk(self, views: list[torch.Tensor], last: bool, step: int) -> None:
+        """Local gradients about to be reduced (``last``: the chunk that carries the vote)."""
+
+    def before_update(self) -> None:
+        """The step is committed: the optimizer is about to change the state."""
+
+    def on_step_end(self, state: TrainState) -> None:
+        """A step boundary: ``state.step`` steps are complete."""
+
+    def close(self) -> None:
+        """The run is over (or failed): release what the part holds."""
+
+
+class Parts:
+    """Calls every part's hook in order."""
+
+    def __init__(self, parts: list[Part]) -> None:
+        self.parts = list(parts)
+
+    def of(self, kind: type) -> Any:
+        return next((p for p in self.parts if isinstance(p, kind)), None)
+
+    def on_generation(self, generation: int, store: dist.Store) -> None:
+        for p in self.parts:
+            p.on_generation(generation, store)
+
+    def on_restored(self, state: TrainState) -> None:
+        for p in self.parts:
+            p.on_restored(state)
+
+    def on_phase(self, phase: str, step: int) -> None:
+        for p in self.parts:
+            p.on_phase(phase, step)
+
+    def on_loss(self, loss: torch.Tensor, step: int, data_rank: int) -> torch.Tensor:
+        for p in self.parts:
+            loss = p.on_loss(loss, step, data_rank)
+        return loss
+
+    def before_chunk(self, views: list[torch.Tensor], last: bool, step: int) -> None:
+        for p in self.parts:
+            p.before_chunk(views, last, step)
+
+    def before_update(self) -> None:
+        for p in self.parts:
+            p.before_update()
+
+    def on_step_end(self, state: TrainState) -> None:
+        for p in self.parts:
+            p.on_step_end(state)
+
+    def close(self) -> None:
+        errors = []
+        for p in reversed(self.parts):
+            try:
+                p.close()
+            except Exception as e:  # noqa: BLE001  (every part gets closed; the first error is raised after)
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+_SECTION_OF = {Phase.HEAL.value: "recovery"}
+
+
+class ProgressPart(Part):
+    """The progress slot the agent's hang and straggler monitors read (main thread only)."""
+
+    def __init__(self, reporter: ProgressReporter) -> None:
+        self.reporter = reporter
+
+    def on_phase(self, phase: str, step: int) -> None:
+        self.reporter.enter(_SECTION_OF.get(phase, phase), step)
+
+    def close(self) -> None:
+        self.reporter.close()
+
+
+class ChaosPart(Part):
+    """Injected faults: at phases (kill, hang, raise, ...) and on values (NaN loss, flipped gradient bits)."""
+
+    def __init__(self, faults: list[Fault], *, rank: int, claim: Callable[[int], bool],
+                 announce: Callable[[Fault], None]) -> None:
+        self.injector = Injector(faults, rank=rank, claim=claim, announce=announce)
+        self.values = ValueFaults(faults, rank=rank, claim=claim, announce=announce)
+
+    def __bool__(self) -> bool:
+        return bool(self.injector) or bool(self.values)
+
+    def on_phase(self, phase: str, step: int) -> None:
+        if self.injector and phase in _PHASES:
+            self.injector.at(Phase(phase), step)
+
+    def on_loss(self, loss: torch.Tensor, step: int, data_rank: int) -> torch.Tensor:
+        return self.values.corrupt_loss(loss, step=step, data_rank=data_rank) if self.values else loss
+
+    def before_chunk(self, views: list[torch.Tensor], last: bool, step: int) -> None:
+        if last and self.values:
+            self.values.corrupt_grads(views, step=step)
+
+
+_PHASES = frozenset(p.value for p in Phase)
+
+
+class CuptiPart(Part):
+    """NVRx's CUPTI kernel scores, reported as events every ``report_every_steps`` (a collective)."""
+
+    def __init__(self, config: CuptiConfig, events: EventLog) -> None:
+        self.scores = CuptiKernelScores(config)
+        self._events = events
+
+    def on_generation(self, generation: int, store: dist.Store) -> None:
+        self.scores.on_new_generation()
+
+    def on_phase(self, phase: str, step: int) -> None:
+        self.scores.enter(_SECTION_OF.get(phase, phase))
+
+    def on_step_end(self, state: TrainState) -> None:
+        if self.scores.due(state.step):
+            report = self.scores.report(state.step)  # every rank, the same step
+            if report is not None:
+                self._events.emit("kernel_straggler_report", source="nvrx-cupti", **report)
+
+    def close(self) -> None:
+        self.scores.close()
+
+
+class DiskPart(Part):
+    """Periodic asynchronous disk checkpoints (and the fallback load, called by the loop)."""
+
+    def __init__(self, disk: DiskCheckpoints, enter: Callable[[str, int], None]) -> None:
+        self.disk = disk
+        self._enter = enter
+
+    def on_generation(self, generation: int, store: dist.Store) -> None:
+        self.disk.on_generation(store, generation)
+
+    def on_restored(self, state: TrainState) -> None:
+        self.disk.prepare(state)
+
+    def on_step_end(self, state: TrainState) -> None:
+        if self.disk.config.should_save(state.step):
+            self._enter("checkpoint", state.step)  # the save alone is the checkpoint section
+            self.disk.save(state)
+
+    def close(self) -> None:
+        self.disk.close()
+
+
+class SnapshotPart(Part):
+    """A host snapshot of the replicated state every ``every`` steps (``SupervisorConfig.snapshot_every``)."""
+
+    def __init__(self, every: int, local: Callable[[], bytes]) -> None:
+        self.every = every
+        self.snapshot = HostSnapshot()
+        self._local = local
+
+    def on_step_end(self, state: TrainState) -> None:
+        if state.step % self.every == 0:
+            self.snapshot.capture(state.step, state.replicated_state_dict(), self._local())
+
+    def before_update(self) -> None:
+        self.snapshot.before_update()
