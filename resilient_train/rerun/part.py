@@ -110,3 +110,6 @@ class RerunPart(Part):
 
     def on_restored(self, state: TrainState) -> None:
         self.driver.machine.abort()
+
+    def close(self) -> None:
+        self.driver.emit("rerun_summary", rank=self.driver.rank, **self.driver.summary())

@@ -136,7 +136,7 @@ def test_driver_transient_persistent_genuine():
     # Rank 1 rejects (NaN), its re-run is fine: transient, the re-run is kept.
     w = _World([[StepResult(math.nan, math.nan)], [GOOD]], [[1], [0]])
     d, ev = _driver(w)
-    assert d.after_step(7, GOOD, lambda as_rank: GOOD) is Outcome.KEEP
+    assert d.resolve(7, GOOD, lambda as_rank: GOOD) is Outcome.KEEP
     assert [e["classification"] for e in ev if e["event"] == "rerun_decision"] == ["transient"]
     assert d.machine.state is RerunState.HEALTHY
 
@@ -146,7 +146,7 @@ def test_driver_transient_persistent_genuine():
     d, ev = _driver(w)
     computed_as: list[int] = []
     with pytest.raises(RankExcluded):
-        d.after_step(7, GOOD, lambda as_rank: computed_as.append(as_rank) or GOOD)
+        d.resolve(7, GOOD, lambda as_rank: computed_as.append(as_rank) or GOOD)
     assert computed_as == [0, 1], "a re-run in place, then rank 1's batch"
     assert d.machine.suspects == [1] and d.machine.counters["persistent"] == 1
 
@@ -154,14 +154,14 @@ def test_driver_transient_persistent_genuine():
     spike = StepResult(2000.0, 1.0)
     w = _World([[spike], [spike], [GOOD]], [[3], [3], [0]])
     d, ev = _driver(w)
-    assert d.after_step(7, GOOD, lambda as_rank: spike if as_rank == 1 else GOOD) is Outcome.SKIP
+    assert d.resolve(7, GOOD, lambda as_rank: spike if as_rank == 1 else GOOD) is Outcome.SKIP
     assert w.rewound == [7] and d.machine.counters["genuine"] == 1
 
     # The same with the stop policy: the state is saved and the rank exits 17.
     w = _World([[spike], [spike], [GOOD]], [[3], [3], [0]])
     d, ev = _driver(w, on_genuine=OnGenuine.STOP)
     with pytest.raises(SystemExit):
-        d.after_step(7, GOOD, lambda as_rank: spike if as_rank == 1 else GOOD)
+        d.resolve(7, GOOD, lambda as_rank: spike if as_rank == 1 else GOOD)
     assert w.exits == [17] and d.machine.state is RerunState.STOPPED
     assert [e for e in ev if e["event"] == "rerun_stop"][0]["saved"] == "saved"
 
@@ -171,7 +171,8 @@ def test_machine_travels_in_the_rank_local_state():
     """Registered in TrainState.runtime, the machine is in every snapshot, published local state and checkpoint."""
     import torch
 
-    from resilient_train.train_state import TrainState, decode_local, encode_local
+    from resilient_train.local_state import decode_local, encode_local
+    from resilient_train.train_state import TrainState
 
     w = _World([], [])
     d, _ = _driver(w)
@@ -194,7 +195,7 @@ def test_a_persistent_verdict_that_follows_the_replacement_is_genuine():
     w = _World([[bad], [bad], [GOOD]], [[2], [2], [0]])
     d, ev = _driver(w)
     d.machine.classify(Classification.PERSISTENT, {"rank": 1, "step": 7})
-    assert d.after_step(7, GOOD, lambda as_rank: GOOD) is Outcome.SKIP
+    assert d.resolve(7, GOOD, lambda as_rank: GOOD) is Outcome.SKIP
     (decision,) = [e for e in ev if e["event"] == "rerun_decision"]
     assert decision["classification"] == "genuine" and "replacement" in decision["note"]
 
