@@ -264,7 +264,7 @@ class Agent:
                     self._stop_workers()
                     self.events.emit("agent_end", ok=False, reason=reason, exit_code=self._stop_code,
                                      restarts=self.restarts)
-                    print(f"resilient-train: job stopped ({reason}), exit code {self._stop_code}", file=sys.stderr,
+                    print(f"resilient-train: job stopped: {reason} (exit code {self._stop_code})", file=sys.stderr,
                           flush=True)
                     return self._stop_code
                 if all(w.state is WorkerState.SUCCEEDED for w in self.workers.values()):
@@ -293,7 +293,7 @@ class Agent:
                 stop = read_stop(self.store) or {"summary": f"rank {w.rank} exited with code {rc}"}
                 if self._stop_code is None:
                     self.events.emit("worker_stopped_job", rank=w.rank, exit_code=rc, reason=stop.get("summary"))
-                    self._stop_reason = f"rank {stop.get('rank', w.rank)}: {stop.get('summary')}"
+                    self._stop_reason = f"rank {stop.get('rank', w.rank)} stopped it: {stop.get('summary')}"
                 self._stop_code = int(stop.get("exit_code", exitcodes.STOPPED))
                 continue
             if rc == EXIT_VALIDATION_FAILED:

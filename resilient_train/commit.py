@@ -54,7 +54,8 @@ class CommitGate:
 
     def __init__(self, *, world_size: int, group: Callable[[], dist.ProcessGroup | None],
                  device: torch.device, vote: Callable[[], float], moved: Callable[[], bool],
-                 decide: Callable[[float], None], before_update: Callable[[], None]) -> None:
+                 decide: Callable[[float], None], before_update: Callable[[], None],
+                 on_optimizer: Callable[[], None] = lambda: None) -> None:
         self.world_size = world_size
         self._group = group
         self._device = device
@@ -62,6 +63,7 @@ class CommitGate:
         self._moved = moved
         self._decide = decide
         self._before_update = before_update
+        self._on_optimizer = on_optimizer  # the optimizer phase begins (if the script did not mark it)
         self.reducers: list[GradientReducer] = []
         self.committed = False
         self._fallback_used = False
@@ -72,6 +74,7 @@ class CommitGate:
             r.reset()
 
     def pre_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self._on_optimizer()
         self.commit()
 
     def commit(self) -> None:

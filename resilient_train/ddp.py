@@ -32,7 +32,8 @@ __all__ = ["ReplicatedModule", "find_ddp"]
 class ReplicatedModule(torch.nn.Module):
     """``model`` data-parallel under the supervisor; rebuilt on every generation's process group."""
 
-    def __init__(self, module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
+    def __init__(self, module: torch.nn.Module, ddp_kwargs: dict[str, Any],
+                 phase: Callable[[str], None] = lambda name: None) -> None:
         super().__init__()
         for bad in ("process_group", "device_mesh"):
             if bad in ddp_kwargs:
@@ -40,6 +41,7 @@ class ReplicatedModule(torch.nn.Module):
         self.module = module
         self._kwargs = ddp_kwargs
         self._ddp: DDP | None = None
+        self._phase = phase  # marks forward and backward for the monitors and chaos faults
 
     def rebuild(self, group: dist.ProcessGroup, reducer: GradientReducer, *, first: bool) -> None:
         """Builds DDP on ``group``; only the first generation syncs the module from rank 0 (later ones heal)."""
@@ -54,7 +56,18 @@ class ReplicatedModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._ddp is None:
             raise UsageError("the DDP model was called outside sup.run: it exists once a generation's group is built")
-        return self._ddp(*args, **kwargs)
+        self._phase("forward")
+        out = self._ddp(*args, **kwargs)
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._backward_starts)
+                    break
+        return out
+
+    def _backward_starts(self, grad: torch.Tensor) -> torch.Tensor:
+        self._phase("backward")
+        return grad
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -65,14 +78,32 @@ class ReplicatedModule(torch.nn.Module):
             yield
 
 
+def _tensors(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, dict):
+        for v in out.values():
+            yield from _tensors(v)
+    elif isinstance(out, (list, tuple)):
+        for v in out:
+            yield from _tensors(v)
+
+
 def find_ddp(module: torch.nn.Module) -> list[DDP]:
     """The DDP objects that wrap ``module`` (found through who refers to it; once per generation)."""
-    found = []
-    for ref in gc.get_referrers(module):
-        if isinstance(ref, dict):
-            for owner in gc.get_referrers(ref):
-                if isinstance(owner, DDP) and owner.module is module and owner not in found:
-                    found.append(owner)
+    gc.collect()  # a DDP of an earlier generation that nothing refers to any more is not in use
+    found: list[DDP] = []
+    # module <- DDP._modules (a dict) <- the DDP, or its __dict__ <- the DDP: two levels of dicts at most.
+    frontier: list[Any] = [module]
+    for _ in range(3):
+        nxt = []
+        for obj in frontier:
+            for ref in gc.get_referrers(obj):
+                if isinstance(ref, DDP) and ref.module is module and not any(ref is f for f in found):
+                    found.append(ref)
+                elif isinstance(ref, dict) and ref is not frontier:
+                    nxt.append(ref)
+        frontier = nxt
     return found
 
 

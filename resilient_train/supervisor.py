@@ -118,7 +118,7 @@ class Supervisor:
         self._stacks_file = install_stack_dump(self.run_dir, self.env.rank) if self.run_dir else None
         self.store = connect_worker_store(self.env, timeout=timedelta(seconds=config.join_timeout_s))
         self.slots = LocalSlots(self.store)
-        _explain_ddp_before_run()
+        _explain_ddp_before_run(self.store, self.env.rank)
 
     # --------------------------------------------------------------- public
     def ddp(self, model: torch.nn.Module, **ddp_kwargs: Any) -> ReplicatedModule:
@@ -128,7 +128,7 @@ class Supervisor:
         fixed-layout reduction as its communication hook (bitwise across
         recoveries, overlapping backward). ``ddp_kwargs`` go to DDP.
         """
-        wrapped = ReplicatedModule(model, ddp_kwargs)
+        wrapped = ReplicatedModule(model, ddp_kwargs, phase=self._auto_phase)
         self._ddps.append((wrapped, None))
         return wrapped
 
@@ -215,7 +215,8 @@ class Supervisor:
         self.parts = Parts(parts)
         self.gate = CommitGate(world_size=self.env.world_size, group=lambda: self.group, device=self.device,
                                vote=self._vote, moved=lambda: self._watcher.moved.is_set(), decide=self._decide,
-                               before_update=self._before_update)
+                               before_update=self._before_update,
+                               on_optimizer=lambda: self._auto_phase(Phase.OPTIMIZER.value))
         if state.optimizer is not None:
             state.optimizer.register_step_pre_hook(self.gate.pre_hook)
         self._guard = BufferGuard(state.model)
@@ -321,6 +322,8 @@ class Supervisor:
         if self.rerun is not None:
             self.rerun.begin(mode)
         self.gate.begin_step()
+        self.ctx.phase = Phase.BETWEEN_STEPS
+        self._auto_phase(Phase.DATA.value)
         out = step_fn(self.ctx)
         self.gate.commit()  # the optimizer never stepped (or there is none): the step still needs its vote
         self.ctx.data_rank = self.env.rank
@@ -346,6 +349,7 @@ class Supervisor:
 
     def _vote(self) -> float:
         """This rank's vote on the step, cast just before it goes out in the reduction."""
+        self._auto_phase(Phase.ALL_REDUCE.value)
         if self._watcher.moved.is_set():
             return 0.0  # abstain: the generation is over, nobody may commit
         vote = self.rerun.vote() if self.rerun is not None else 1.0
@@ -418,7 +422,7 @@ class Supervisor:
         self._published = (step, self.state.local_state_dict())
         if sent or received:
             self.events.emit("healed", rank=rank, step=step, generation=plan.generation, bytes_sent=sent,
-                             bytes_received=received, source=plan.heal_from.get(rank))
+                             bytes_received=received, from_rank=plan.heal_from.get(rank))
 
     def _load_from_disk(self, plan: ResumePlan) -> None:
         state = self.state
@@ -471,14 +475,15 @@ class Supervisor:
         return _S.RECOVERING
 
     def _stop_job(self, reason: str, exc: BaseException, *, first_traceback: str | None = None,
-                  exit_code: int = exitcodes.STOPPED) -> SupervisorState:
+                  exit_code: int = exitcodes.STOPPED, show_traceback: bool = True) -> SupervisorState:
         stood = request_stop(self.store, {"rank": self.env.rank, "summary": reason, "exit_code": exit_code,
                                           "step": self.ctx.step, "generation": self.generation})
         if stood.get("rank") == self.env.rank and stood.get("summary") == reason:
             text = first_traceback or "".join(traceback.format_exception(exc))
-            if not isinstance(exc, UsageError):
+            if show_traceback and not isinstance(exc, UsageError):
                 sys.stderr.write(text)
-            print(f"resilient-train: rank {self.env.rank} stopped the job: {reason}", file=sys.stderr, flush=True)
+            if not self.env.under_agent:  # the agent says it once for the job
+                print(f"resilient-train: rank {self.env.rank} stopped the job: {reason}", file=sys.stderr, flush=True)
             self.events.emit("job_stopped", rank=self.env.rank, reason=reason, exit_code=exit_code, step=self.ctx.step,
                              generation=self.generation, traceback=text[-4000:])
         self._stopped = JobStopped(stood.get("summary", reason), int(stood.get("exit_code", exit_code)))
@@ -514,10 +519,10 @@ class Supervisor:
             self._guard.restore()  # a fault before the commit: forward may have changed buffers
         if self.recoveries > self.config.max_recoveries:
             return self._stop_job(f"gave up after {self.config.max_recoveries} recoveries (last: {failure.summary})",
-                                  exc, exit_code=exitcodes.FAILED)
+                                  exc, exit_code=exitcodes.FAILED, show_traceback=False)
         if self._without_progress > self.config.max_failed_generations:
             return self._stop_job(f"{self._without_progress} generations in a row failed without completing a step "
-                                  f"(last: {failure.summary})", exc)
+                                  f"(last: {failure.summary})", exc, show_traceback=False)
         fault_time = float(cause["time"]) if cause and "time" in cause else t_detect
         self._timings = {"detect_s": max(0.0, t_detect - fault_time), "abort_s": time.monotonic() - t0,
                          "fault_step": float(self.ctx.step)}
@@ -529,13 +534,22 @@ class Supervisor:
         t = self._timings
         self.events.emit(
             "recovery_done", rank=self.env.rank, generation=plan.generation, resume_step=plan.step,
-            source=plan.source.value, replacements=plan.replacements, healed=plan.healed, detect_s=t["detect_s"],
+            resume_from=plan.source.value, replacements=plan.replacements, healed=plan.healed, detect_s=t["detect_s"],
             abort_s=t["abort_s"], rendezvous_s=t["rendezvous_s"], heal_s=t["heal_s"],
             steps_redone=max(0, int(t["fault_step"]) - (plan.step or 0)),
         )
         self._timings = {}
 
     # ---------------------------------------------------------- entry points
+    def _auto_phase(self, phase: str) -> None:
+        """A phase the runtime sees by itself (DDP's forward and backward, the reduction, the commit).
+
+        Only forward moves: a script that marks its phases with ``ctx.enter`` is not overridden.
+        """
+        order = _PHASE_ORDER
+        if self.lifecycle.state is _S.TRAINING and order.get(phase, 0) > order.get(self.ctx.phase.value, 0):
+            self.ctx.enter(phase)
+
     def _enter(self, phase: str, step: int) -> None:
         if self._watcher.moved.is_set() and phase in _STEP_PHASES:
             raise GenerationFailed(f"generation {self.generation} was declared failed")
@@ -599,6 +613,8 @@ class Supervisor:
 
 
 _STEP_PHASES = frozenset(p.value for p in Phase if p is not Phase.HEAL)
+_PHASE_ORDER = {p.value: i for i, p in enumerate(
+    [Phase.BETWEEN_STEPS, Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.ALL_REDUCE, Phase.OPTIMIZER])}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -632,17 +648,23 @@ def _since_spawn() -> float | None:
     return round(time.time() - float(spawned), 3) if spawned else None
 
 
-def _explain_ddp_before_run() -> None:
-    """A DDP built before ``sup.run`` fails deep in torch; say in one line what to do instead."""
+def _explain_ddp_before_run(store: dist.Store, rank: int) -> None:
+    """A DDP built before ``sup.run`` fails deep in torch; say in one line (once per job) what to do instead."""
     previous = sys.excepthook
 
     def hook(kind: type, exc: BaseException, tb: Any) -> None:
         if isinstance(exc, (ValueError, RuntimeError)) and "process group has not been initialized" in str(exc):
-            frames = traceback.extract_tb(tb)
-            where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-            print("resilient-train: error: a process group was used before sup.run built one"
-                  f"{where}: wrap the model with sup.ddp(model), or build DDP in on_new_group", file=sys.stderr)
-            sys.stderr.flush()
+            torch_dir = os.path.dirname(torch.__file__)
+            frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(torch_dir)]
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+            reason = (f"a process group was used before sup.run built one{where}: wrap the model with "
+                      "sup.ddp(model), or build DDP in on_new_group")
+            try:
+                first = request_stop(store, {"rank": rank, "summary": reason, "exit_code": exitcodes.STOPPED})
+            except Exception:  # noqa: BLE001  (no store: say it anyway)
+                first = {"rank": rank}
+            if first.get("rank") == rank and os.environ.get(envvars.RT_AGENT) != "1":  # else the agent says it
+                print(f"resilient-train: error: {reason}", file=sys.stderr, flush=True)
             os._exit(exitcodes.STOPPED)
         previous(kind, exc, tb)
 
