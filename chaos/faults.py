@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Iterable
 
-__all__ = ["VALUE_KINDS", "Fault", "FaultKind", "Phase", "dumps_faults", "loads_faults"]
+__all__ = ["RECOVERY_PHASES", "VALUE_KINDS", "Fault", "FaultKind", "Phase", "dumps_faults", "loads_faults"]
 
 
 class FaultKind(str, Enum):
@@ -38,6 +38,11 @@ class Phase(str, Enum):
     OPTIMIZER = "optimizer"
     BETWEEN_STEPS = "between-steps"
     HEAL = "heal"  # a replacement copying state from a peer during recovery
+    RENDEZVOUS = "rendezvous"  # every rank joined a generation and builds its process group
+
+
+# Phases of a recovery, not of a step: their faults fire at a generation change (``step``: the resume step).
+RECOVERY_PHASES = frozenset({Phase.HEAL, Phase.RENDEZVOUS})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from chaos.faults import Fault, FaultKind, Phase
+from chaos.faults import RECOVERY_PHASES, Fault, FaultKind, Phase
 
 __all__ = [
     "DRIVER_KINDS",
@@ -31,7 +31,7 @@ CORRUPT_CKPT = "corrupt-ckpt"  # a byte of the newest committed checkpoint's lar
 DRIVER_KINDS: tuple[str, ...] = (STORE_OUTAGE, CORRUPT_CKPT)
 # Kinds the runtime rides through without a recovery: no detection is required of them.
 TOLERATED_KINDS: frozenset[str] = frozenset({"slow", STORE_OUTAGE})
-STEP_PHASES: tuple[str, ...] = tuple(p.value for p in Phase if p is not Phase.HEAL)
+STEP_PHASES: tuple[str, ...] = tuple(p.value for p in Phase if p not in RECOVERY_PHASES)
 
 
 def all_kinds() -> tuple[str, ...]:

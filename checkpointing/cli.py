@@ -13,7 +13,7 @@ from pathlib import Path
 
 from checkpointing.catalog import iter_valid, list_steps, read_latest, step_dir
 from checkpointing.dcp_io import METADATA_FILE, load_metadata
-from checkpointing.diff import diff_states
+from checkpointing.diff import diff_all, diff_states
 from checkpointing.manifest import MANIFEST_FILE, CheckpointError, verify_checkpoint
 from checkpointing.tree import Skeleton
 
@@ -34,6 +34,7 @@ def build_parser(prog: str = "resilient-train ckpt") -> argparse.ArgumentParser:
     d = sub.add_parser("diff", help="bitwise comparison of two checkpoints; exit 0 only when equal")
     d.add_argument("a", type=Path)
     d.add_argument("b", type=Path)
+    d.add_argument("--all", action="store_true", help="list every difference, not only the first")
     return p
 
 
@@ -123,11 +124,14 @@ def _diff(args: argparse.Namespace) -> int:
     for p in (args.a, args.b):
         if not p.is_dir():
             raise CheckpointError(p, None, "no such directory")
-    d = diff_states(args.a, args.b)
-    if d is None:
+    found = diff_all(args.a, args.b) if args.all else [d for d in [diff_states(args.a, args.b)] if d is not None]
+    if not found:
         print("identical")
         return 0
-    print(d)
+    for line in found:
+        print(line)
+    if args.all:
+        print(f"{len(found)} difference(s)")
     return 1
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from checkpointing.state_files import read_state
 
-__all__ = ["diff_states"]
+__all__ = ["diff_all", "diff_states"]
 
 StateLike = dict[str, Any] | str | os.PathLike[str]
 
@@ -24,8 +25,26 @@ def diff_states(a: StateLike, b: StateLike) -> str | None:
     Tensors compare by dtype, shape, then bits (so NaNs with equal bits are equal
     and ``0.0`` differs from ``-0.0``); plain values by type and value.
     """
+    return next(iter(diff_all(a, b)), None)
+
+
+def diff_all(a: StateLike, b: StateLike) -> list[str]:
+    """Every difference between ``a`` and ``b``, one line each (empty when bitwise equal)."""
     sa, sb = _as_state(a), _as_state(b)
-    return _diff(sa, sb, "")
+    return [_explain(d) for d in _diffs(sa, sb, "")]
+
+
+_UNSEEDED = re.compile(r"\.rng\.(python|numpy)[.:]")
+
+
+def _explain(line: str) -> str:
+    """A difference in ``random``'s or NumPy's state says what usually causes it."""
+    m = _UNSEEDED.search(line)
+    if m is None:
+        return line
+    name = {"python": "random", "numpy": "NumPy"}[m.group(1)]
+    return (f"{line} (the {name} RNG: the script draws from it without seeding it the same way in both runs; "
+            f"seed it, or stop using it)")
 
 
 def _as_state(x: StateLike) -> Any:
@@ -37,43 +56,50 @@ def _as_state(x: StateLike) -> Any:
     raise ValueError(f"diff_states: expected a state dict or a checkpoint directory, got {type(x).__name__}")
 
 
-def _diff(a: Any, b: Any, path: str) -> str | None:
+def _diffs(a: Any, b: Any, path: str) -> Iterator[str]:
+    """Every difference, in order (lazily: the first costs only what comes before it)."""
     where = path or "<root>"
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{where}: {_kind(a)} vs {_kind(b)}"
-        return _diff_tensor(a, b, where)
+            yield f"{where}: {_kind(a)} vs {_kind(b)}"
+            return
+        d = _diff_tensor(a, b, where)
+        if d is not None:
+            yield d
+        return
     if isinstance(a, dict) and isinstance(b, dict):
-        ka, kb = list(a), list(b)
-        only_a = [k for k in ka if k not in b]
-        only_b = [k for k in kb if k not in a]
-        if only_a or only_b:
-            side, key = ("first", only_a[0]) if only_a else ("second", only_b[0])
-            return f"{_join(path, key)}: only in the {side} state"
-        for k in ka:
-            d = _diff(a[k], b[k], _join(path, k))
-            if d is not None:
-                return d
-        return None
+        for k in a:
+            if k not in b:
+                yield f"{_join(path, k)}: only in the first state"
+        for k in b:
+            if k not in a:
+                yield f"{_join(path, k)}: only in the second state"
+        for k in a:
+            if k in b:
+                yield from _diffs(a[k], b[k], _join(path, k))
+        return
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if type(a) is not type(b):
-            return f"{where}: {_kind(a)} vs {_kind(b)}"
-        if len(a) != len(b):
-            return f"{where}: length {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            d = _diff(x, y, _join(path, i))
-            if d is not None:
-                return d
-        return None
+            yield f"{where}: {_kind(a)} vs {_kind(b)}"
+        elif len(a) != len(b):
+            yield f"{where}: length {len(a)} vs {len(b)}"
+        else:
+            for i, (x, y) in enumerate(zip(a, b)):
+                yield from _diffs(x, y, _join(path, i))
+        return
     if type(a) is not type(b):
-        return f"{where}: {_kind(a)} {a!r} vs {_kind(b)} {b!r}"
-    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
-        return None
-    if isinstance(a, float) and a == b and math.copysign(1.0, a) != math.copysign(1.0, b):
-        return f"{where}: {a!r} vs {b!r} (sign of zero)"
-    if a != b:
-        return f"{where}: {a!r} vs {b!r}"
-    return None
+        yield f"{where}: {_kind(a)} {_short(a)} vs {_kind(b)} {_short(b)}"
+    elif isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return
+    elif isinstance(a, float) and a == b and math.copysign(1.0, a) != math.copysign(1.0, b):
+        yield f"{where}: {a!r} vs {b!r} (sign of zero)"
+    elif a != b:
+        yield f"{where}: {_short(a)} vs {_short(b)}"
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _diff_tensor(a: torch.Tensor, b: torch.Tensor, where: str) -> str | None:

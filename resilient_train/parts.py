@@ -104,7 +104,7 @@ class Parts:
             raise errors[0]
 
 
-_SECTION_OF = {Phase.HEAL.value: "recovery"}
+_SECTION_OF = {Phase.HEAL.value: "recovery", Phase.RENDEZVOUS.value: "recovery"}
 
 
 class ProgressPart(Part):
@@ -175,6 +175,7 @@ class DiskPart(Part):
     def __init__(self, disk: DiskCheckpoints, enter: Callable[[str, int], None]) -> None:
         self.disk = disk
         self._enter = enter
+        self._step = 0
 
     def on_generation(self, generation: int, store: dist.Store) -> None:
         self.disk.on_generation(store, generation)
@@ -183,11 +184,13 @@ class DiskPart(Part):
         self.disk.prepare(state)
 
     def on_step_end(self, state: TrainState) -> None:
+        self._step = state.step
         if self.disk.config.should_save(state.step):
             self._enter("checkpoint", state.step)  # the save alone is the checkpoint section
             self.disk.save(state)
 
     def close(self) -> None:
+        self._enter("checkpoint", self._step)  # a save in flight is finished (or given up) here
         self.disk.close()
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from chaos import Fault, Phase, loads_faults
+from chaos.faults import RECOVERY_PHASES
 from checkpointing import CheckpointConfig
 from monitors import EventLog, ProgressReporter
 from monitors.cupti_kernels import CuptiConfig
@@ -247,6 +248,7 @@ class Supervisor:
                                stopped=self._raise_if_stopped)
         self.generation = plan.generation
         self._watcher.watch(plan.generation)
+        self._enter(Phase.RENDEZVOUS.value, plan.step if plan.step is not None else self.state.step)
         self.group = build_group(self.store, plan.generation, rank=self.env.rank, world_size=self.env.world_size,
                                  backend=self.backend, timeout_s=self.config.pg_timeout_s, device=self.device)
         self.parts.on_generation(plan.generation, self.store)
@@ -290,6 +292,7 @@ class Supervisor:
         return _S.FINISHING
 
     def _finish(self) -> SupervisorState:
+        self._enter("checkpoint", self.state.step)  # waiting for every rank, then for the final state
         finish_run(
             self.store, generation=self.generation, rank=self.env.rank, world_size=self.env.world_size,
             moved=self._watcher.moved, timeout=self.config.join_timeout_s,
@@ -585,7 +588,6 @@ class Supervisor:
     def _write_final(self) -> None:
         from checkpointing import write_state
 
-        self._enter("checkpoint", self.state.step)
         steps = self.config.steps
         locals_ = published_local_states(self.store, world_size=self.env.world_size, step=steps)
         for local in locals_.values():
@@ -612,7 +614,7 @@ class Supervisor:
                          phase=fault.phase.value, step=self.ctx.step)
 
 
-_STEP_PHASES = frozenset(p.value for p in Phase if p is not Phase.HEAL)
+_STEP_PHASES = frozenset(p.value for p in Phase if p not in RECOVERY_PHASES)
 _PHASE_ORDER = {p.value: i for i, p in enumerate(
     [Phase.BETWEEN_STEPS, Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.ALL_REDUCE, Phase.OPTIMIZER])}
 

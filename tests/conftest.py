@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from jobs import Job, run_gpt  # noqa: E402
+from jobs import Job, run_ddp, run_gpt  # noqa: E402
 
 
 class References:
@@ -15,12 +15,13 @@ class References:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._jobs: dict[tuple[int, int], Job] = {}
+        self._jobs: dict[tuple[str, int, int], Job] = {}
 
-    def get(self, nproc: int, steps: int) -> Path:
-        key = (nproc, steps)
+    def get(self, nproc: int, steps: int, *, script: str = "gpt") -> Path:
+        key = (script, nproc, steps)
         if key not in self._jobs:
-            job = run_gpt(self.root / f"ref-{nproc}x{steps}", nproc=nproc, steps=steps)
+            run = {"gpt": run_gpt, "ddp": run_ddp}[script]
+            job = run(self.root / f"ref-{script}-{nproc}x{steps}", nproc=nproc, steps=steps)
             assert job.returncode == 0, job.stderr[-2000:]
             self._jobs[key] = job
         return self._jobs[key].run_dir / "final"

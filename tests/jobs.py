@@ -12,6 +12,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "train_gpt.py"
+DDP_EXAMPLE = REPO / "examples" / "train_ddp.py"
 # Small enough for 4 ranks on 2 cores, big enough to have every kind of state.
 SMALL_GPT = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--log-every", "0",
              "--reproducible"]
@@ -51,6 +52,58 @@ def run_gpt(
     args += [str(GPT), "--steps", str(steps), *SMALL_GPT, *(extra or [])]
     p = cli(*args, timeout=timeout)
     return Job(p.returncode, p.stdout, p.stderr, run_dir)
+
+
+SMALL_DDP = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--dataset", "256",
+             "--log-every", "0", "--reproducible"]
+
+
+def run_script(
+    run_dir: Path, script: Path, script_args: list[str], *, nproc: int, faults: list[dict[str, Any]] | None = None,
+    timeout: float = 150, agent_args: list[str] | None = None, env: dict[str, str] | None = None,
+) -> Job:
+    args = ["run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir), *(agent_args or [])]
+    if faults:
+        args += ["--chaos", json.dumps(faults)]
+    p = cli(*args, str(script), *script_args, timeout=timeout, env=env)
+    return Job(p.returncode, p.stdout, p.stderr, run_dir)
+
+
+def run_ddp(run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, Any]] | None = None,
+            timeout: float = 150, agent_args: list[str] | None = None) -> Job:
+    return run_script(run_dir, DDP_EXAMPLE, ["--steps", str(steps), *SMALL_DDP], nproc=nproc, faults=faults,
+                      timeout=timeout, agent_args=agent_args)
+
+
+def start_gpt(run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, Any]] | None = None,
+              agent_args: list[str] | None = None) -> subprocess.Popen:
+    """A GPT job in the background (its own session, so a test can take all of it down)."""
+    args = ["run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir), *(agent_args or [])]
+    if faults:
+        args += ["--chaos", json.dumps(faults)]
+    args += [str(GPT), "--steps", str(steps), *SMALL_GPT]
+    return subprocess.Popen([sys.executable, "-m", "resilient_train.cli", *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_for_event(run_dir: Path, predicate: Any, *, timeout: float, proc: subprocess.Popen | None = None,
+                   interval: float = 0.05) -> dict[str, Any]:
+    """The first event of ``run_dir`` for which ``predicate(event)`` holds; fails at ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    path = run_dir / "events.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    e = json.loads(line)
+                    if predicate(e):
+                        return e
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the job ended (exit {proc.returncode}) before the event")
+        time.sleep(interval)
+    raise AssertionError(f"no such event in {timeout} s")
 
 
 def ckpt_diff(a: Path, b: Path) -> subprocess.CompletedProcess:
