@@ -63,6 +63,9 @@ class AgentConfig:
     chaos: str = ""  # JSON list of faults for the workers (chaos.dumps_faults)
     env: dict[str, str] = field(default_factory=dict)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
+    dashboard: bool = False  # serve the live dashboard (monitors.dashboard) while the job runs
+    dashboard_host: str = "127.0.0.1"
+    dashboard_port: int = 0
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -77,6 +80,10 @@ class AgentConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not Path(self.script).is_file():
             raise ValueError(f"script {self.script!r} does not exist")
+        if self.dashboard:
+            from monitors.dashboard.server import check_available
+
+            check_available()  # a missing extra is bad input, said before anything starts
 
     @property
     def world_size(self) -> int:
@@ -129,6 +136,14 @@ class Agent:
             self.events.emit("monitor_state_ignored", path=str(self._monitor_state), reason=str(e))
         self._monitor_saved_at = time.monotonic()
         self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
+        self._dashboard = None
+        if config.dashboard:
+            from monitors.dashboard import DashboardServer
+
+            try:  # binds now: a port in use is bad input
+                self._dashboard = DashboardServer(self.run_dir, host=config.dashboard_host, port=config.dashboard_port)
+            except ValueError as e:
+                raise AgentError(str(e)) from None
 
     def _check_run_dir(self) -> None:
         try:
@@ -231,6 +246,8 @@ class Agent:
     def run(self) -> int:
         c = self.config
         self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=c.script, args=c.script_args)
+        if self._dashboard is not None:
+            self._dashboard.start()
         # The spare imports torch first, alone: the ranks starting beside it
         # would slow its import several-fold, and a fault early in the run
         # would find it still cold.
@@ -387,6 +404,8 @@ class Agent:
             self.events.emit("monitor_state_not_saved", path=str(self._monitor_state), reason=str(e))
 
     def close(self) -> None:
+        if self._dashboard is not None:
+            self._dashboard.close()
         self._kill_workers()
         self._save_monitor_state()
         self.monitor.close()
