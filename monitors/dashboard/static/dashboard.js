@@ -71,7 +71,7 @@
       ['replacements', r.restarts],
       ['flagged ranks', s.flagged_total, s.flagged_total > 0],
       ['elapsed', secs(r.elapsed_s)],
-      r.state === 'running' ? ['last event', secs(r.last_event_age_s) + ' ago'] : ['final state', r.final_state ? 'written' : 'none', !r.final_state]
+      r.state === 'running' ? ['since last event', secs(r.last_event_age_s)] : ['final state', r.final_state ? 'written' : 'none', !r.final_state]
     ];
     $('kpis').innerHTML = kpis.map(function (k) {
       return '<div class="kpi"><div class="label">' + esc(k[0]) + '</div><div class="value' + (k[2] ? ' bad' : '') + '">' + esc(k[1]) + '</div></div>';
@@ -102,6 +102,12 @@
     if (pending) bits.push('change requested: ' + (req.enabled === false ? 'off' : req.enabled === true ? 'on' : '') +
       (req.threshold ? ' threshold ' + req.threshold : '') + ', waiting for the next report');
     $('detection-detail').textContent = bits.join(' · ');
+    var msg = $('control-msg');
+    if (ui.requestedAt && rep && rep.control_read_at && rep.control_read_at >= ui.requestedAt) {
+      msg.textContent = 'applied: report #' + rep.interval + ' says detection ' + (enabled ? 'on' : 'off') + ', threshold ' + rep.threshold;
+      msg.dataset.applied = String(rep.interval);
+      ui.requestedAt = null;
+    }
     $('toggle-detection').textContent = enabled ? 'Turn detection off' : 'Turn detection on';
     $('toggle-detection').dataset.next = enabled ? 'off' : 'on';
     var th = $('threshold');
@@ -172,7 +178,7 @@
     var series = [line('min', 'min', '#c62828', 2), line('10th percentile', 'p10', '#ef8a62', 1.5), line('median', 'median', '#2f6fdb', 1.5)];
     series[0].markLine = {silent: true, symbol: 'none', lineStyle: {type: 'dashed', color: '#9ca3af'},
       label: {formatter: 'threshold', position: 'insideEndTop', color: '#6b7280', fontSize: 11}, data: s.threshold ? [{yAxis: s.threshold}] : []};
-    series[0].markArea = {silent: true, itemStyle: {color: 'rgba(148,163,184,0.18)'}, label: {show: true, formatter: 'off', color: '#6b7280'}, data: off};
+    series[0].markArea = {silent: true, itemStyle: {color: 'rgba(148,163,184,0.18)'}, label: {show: true, formatter: 'detection off', position: 'insideBottom', color: '#6b7280', fontSize: 11}, data: off};
     chart('distribution').setOption({
       animation: false, grid: {left: 40, right: 14, top: 26, bottom: 26},
       legend: {top: 0, right: 0, textStyle: {fontSize: 11, color: '#4b5563'}, itemWidth: 14},
@@ -391,6 +397,8 @@
       if (r.status === 200) {
         sessionStorage.setItem('rt-dashboard-token', token());
         msg.textContent = 'requested; takes effect at the next report';
+        delete msg.dataset.applied;
+        ui.requestedAt = r.body.at;
       } else {
         msg.textContent = (r.status === 403 ? 'refused: wrong token' : 'refused: ' + (r.body.error || r.status));
       }
