@@ -135,6 +135,8 @@
       ' score; ' + hm.t.length + ' columns' + (hm.merged > 1 ? ' (each the worst of ' + hm.merged + ' reports)' : ' (one per report)') +
       '; blank: not scored (detection off, or the rank was restarting)' : 'no straggler report has scored a rank yet';
     $('heatmap-note').textContent = note;
+    el.dataset.ranks = rows.join(',');  // what the canvas shows, for tests and scripts
+    el.dataset.worst = rows.length ? String(rows[0]) : '';
     var height = Math.max(140, 36 + rows.length * 22 + 50);
     if (el.style.height !== height + 'px') { el.style.height = height + 'px'; if (charts.heatmap) charts.heatmap.resize(); }
     var cells = [];
