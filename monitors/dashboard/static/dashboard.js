@@ -272,7 +272,7 @@
   }
 
   function stateTag(st) {
-    var cls = /^recovered/.test(st) ? 'ok' : /not/.test(st) ? 'bad' : /tolerated|flagged/.test(st) ? '' : 'warn';
+    var cls = /^recovered/.test(st) ? 'ok' : /not/.test(st) ? 'bad' : /tolerated|flagged/.test(st) ? 'wrap' : 'warn';
     return '<span class="tag ' + cls + '">' + esc(st) + '</span>';
   }
 
