@@ -76,14 +76,19 @@ class RunModel:
     def refresh(self) -> bool:
         """Folds in the events appended since the last call; True when anything changed."""
         with self._lock:
-            new, reset = self._tail.read()
-            if reset:
-                self._clear()
-            for e in new:
-                self._ingest(e)
-            if new or reset:
+            changed = False
+            while True:  # a backlog (opening a long run) comes in slices, until caught up
+                new, reset = self._tail.read()
+                if reset:
+                    self._clear()
+                for e in new:
+                    self._ingest(e)
+                changed = changed or bool(new) or reset
+                if self._tail.behind <= 0 or not new and not reset:
+                    break
+            if changed:
                 self.version += 1
-            return bool(new or reset)
+            return changed
 
     def _ingest(self, e: dict[str, Any]) -> None:
         self.events += 1

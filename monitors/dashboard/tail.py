@@ -29,6 +29,7 @@ class EventTail:
         self._partial = b""
         self._inode: int | None = None
         self.skipped = 0  # lines that did not parse as a JSON object
+        self.behind = 0  # bytes the last read left for the next one (a backlog over _MAX_READ)
 
     def read(self) -> tuple[list[dict[str, Any]], bool]:
         """Returns (new events, reset). ``reset`` is True when the file shrank or is another file
@@ -43,11 +44,13 @@ class EventTail:
             self._offset, self._partial = 0, b""
         self._inode = st.st_ino
         if st.st_size == self._offset:
+            self.behind = 0
             return [], reset
         with open(self.path, "rb") as f:
             f.seek(self._offset)
             data = f.read(min(st.st_size - self._offset, _MAX_READ))
         self._offset += len(data)
+        self.behind = st.st_size - self._offset
         data = self._partial + data
         cut = data.rfind(b"\n") + 1
         self._partial = data[cut:]

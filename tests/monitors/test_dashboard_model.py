@@ -243,3 +243,16 @@ def test_a_nan_loss_does_not_break_the_pages_json(tmp_path: Path) -> None:
     model = RunModel(tmp_path)
     model.refresh()
     json.loads(json.dumps(model.snapshot(), allow_nan=False))
+
+
+@pytest.mark.timeout(60)
+def test_a_backlog_larger_than_one_read_is_taken_in_slices_by_one_refresh(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import monitors.dashboard.tail as tail
+
+    monkeypatch.setattr(tail, "_MAX_READ", 300)  # a few lines per slice
+    _write(tmp_path, [_ev(0, "agent_start", world_size=1)]
+           + [_ev(s, "step_done", "rank0", step=s, generation=0) for s in range(1, 101)])
+    model = RunModel(tmp_path)
+    assert model.refresh()
+    assert model.snapshot()["steps"]["count"] == 100
