@@ -26,6 +26,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from monitors import EventLog, MonitorConfig, NodeMonitor
+from monitors.dashboard.server import DashboardConfig, DashboardServer, DashboardUnavailable
+from monitors.dashboard.server import check_available as check_dashboard
 from monitors.persist import monitor_state_path, offered_state_path, take_offer
 from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
@@ -63,9 +65,7 @@ class AgentConfig:
     chaos: str = ""  # JSON list of faults for the workers (chaos.dumps_faults)
     env: dict[str, str] = field(default_factory=dict)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
-    dashboard: bool = False  # serve the live dashboard (monitors.dashboard) while the job runs
-    dashboard_host: str = "127.0.0.1"
-    dashboard_port: int = 0
+    dashboard: DashboardConfig | None = None  # serve the live dashboard (monitors.dashboard) while the job runs
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -80,10 +80,11 @@ class AgentConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not Path(self.script).is_file():
             raise ValueError(f"script {self.script!r} does not exist")
-        if self.dashboard:
-            from monitors.dashboard.server import check_available
-
-            check_available()  # a missing extra is bad input, said before anything starts
+        if self.dashboard is not None:
+            try:
+                check_dashboard()  # a missing extra is bad input, said before anything starts
+            except DashboardUnavailable as e:
+                raise ValueError(str(e)) from None
 
     @property
     def world_size(self) -> int:
@@ -136,12 +137,10 @@ class Agent:
             self.events.emit("monitor_state_ignored", path=str(self._monitor_state), reason=str(e))
         self._monitor_saved_at = time.monotonic()
         self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
-        self._dashboard = None
-        if config.dashboard:
-            from monitors.dashboard import DashboardServer
-
+        self._dashboard: DashboardServer | None = None
+        if config.dashboard is not None:
             try:  # binds now: a port in use is bad input
-                self._dashboard = DashboardServer(self.run_dir, host=config.dashboard_host, port=config.dashboard_port)
+                self._dashboard = DashboardServer(self.run_dir, config.dashboard)
             except ValueError as e:
                 raise AgentError(str(e)) from None
 

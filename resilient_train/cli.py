@@ -46,12 +46,13 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     from resilient_train.agent import Agent, AgentConfig, AgentError
     from monitors import MonitorConfig
+    from monitors.dashboard.server import DashboardConfig
 
     config = AgentConfig(
         script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port, run_dir=args.run_dir,
         max_restarts=args.max_restarts, warm_spare=not args.no_spare, chaos=args.chaos,
-        dashboard=args.dashboard, dashboard_host=args.dashboard_host, dashboard_port=args.dashboard_port,
+        dashboard=DashboardConfig(host=args.dashboard_host, port=args.dashboard_port) if args.dashboard else None,
         **({"monitor": MonitorConfig.load(args.monitor_config)} if args.monitor_config else {}),
     )
     try:

@@ -9,6 +9,6 @@ charting library into one file that opens without a server or a network.
 
 from monitors.dashboard.export import export_html
 from monitors.dashboard.model import RunModel
-from monitors.dashboard.server import DashboardServer, DashboardUnavailable
+from monitors.dashboard.server import DashboardConfig, DashboardServer, DashboardUnavailable
 
-__all__ = ["DashboardServer", "DashboardUnavailable", "RunModel", "export_html"]
+__all__ = ["DashboardConfig", "DashboardServer", "DashboardUnavailable", "RunModel", "export_html"]

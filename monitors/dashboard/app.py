@@ -13,6 +13,11 @@ Routes:
   server's token; anything else is refused with 403 and changes nothing. The
   header also keeps other web pages out: a cross-origin request with a custom
   header needs a CORS preflight this app never grants.
+
+Bound to loopback, the app answers only requests addressed to a loopback name
+(``Host: 127.0.0.1``, ``localhost``, ``[::1]``): a web page that rebinds its own
+domain to 127.0.0.1 cannot read the run through the browser of someone who
+visits it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any, AsyncIterator
 import anyio
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -72,8 +79,11 @@ class _Feed:
             return version, text
 
 
+_LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
+
+
 def build_app(run_dir: str | Path, *, token: str, refresh_s: float = 1.0,
-              stopping: threading.Event | None = None) -> Starlette:
+              stopping: threading.Event | None = None, loopback: bool = True) -> Starlette:
     """The app for one run directory. ``stopping`` ends the live streams (set it before shutting down)."""
     model = RunModel(run_dir)
     feed = _Feed(model, refresh_s)
@@ -145,7 +155,7 @@ def build_app(run_dir: str | Path, *, token: str, refresh_s: float = 1.0,
         Route("/api/export", export),
         Route("/api/straggler", straggler, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
-    ])
+    ], middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=_LOOPBACK_NAMES)] if loopback else [])
 
 
 def _metric(request: Request) -> str | None:

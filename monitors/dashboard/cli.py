@@ -61,10 +61,10 @@ def dashboard_main(argv: list[str], out: TextIO | None = None) -> int:
             return 2
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, self-contained: open it in a browser)", file=out)
         return 0
-    from monitors.dashboard.server import DashboardServer, DashboardUnavailable
+    from monitors.dashboard.server import DashboardConfig, DashboardServer, DashboardUnavailable
 
     try:
-        server = DashboardServer(run, host=args.host, port=args.port, out=out)
+        server = DashboardServer(run, DashboardConfig(host=args.host, port=args.port), out=out)
     except (DashboardUnavailable, ValueError) as e:
         print(f"resilient-train dashboard: {e}", file=sys.stderr)
         return 2

@@ -36,6 +36,8 @@ SEGMENTS = ("detect", "abort", "rendezvous", "heal", "other", "first_step", "rec
 _JOIN_S = 10.0  # an agent event joins a rank-reported incident that began at most this long before it
 _INJECTED_BEFORE_S = 600.0  # a fault planted longer ago than this is not taken as the cause
 _UNNAMED_CAUSE_S = 60.0
+_AT_ONCE_S = 1.0  # faults planted this close before a detection failed the same generation
+_SKEW_S = 0.05  # a detection is never before its fault; this much allows for event times taken in another process
 _TOLERATED = ("slow", "nan", "bitflip", "spike")  # kinds that need no new generation
 
 
@@ -84,7 +86,9 @@ def _group(detections: list[dict[str, Any]]) -> list[_Incident]:
     for d in detections:
         g = d.get("generation") if _int(d.get("generation")) else None
         home = None
-        for inc in reversed(incidents):
+        if g is None and incidents and _t(d) - incidents[-1].first <= _JOIN_S:
+            home = incidents[-1]  # no generation to go by: the incident just before, if recent
+        for inc in reversed(incidents if home is None else []):
             if g is not None and g in inc.gens and not (d.get("source") == "agent" and _has_agent_for(inc, d)):
                 home = inc
                 break
@@ -109,21 +113,28 @@ def _has_agent_for(inc: _Incident, d: dict[str, Any]) -> bool:
 
 
 def _claim(inc: _Incident, injections: list[dict[str, Any]], claimed: set[int]) -> None:
+    """The planted faults behind an incident: the culprits' latest (a hang is detected seconds after it
+    was planted), and every other one planted just before the first detection (two faults that hit at
+    once fail one generation together)."""
     culprits = set(inc.culprits())
     first = inc.first
     window = [(j, e) for j, e in enumerate(injections)
-              if j not in claimed and first - _INJECTED_BEFORE_S <= _t(e) <= first + 1.0 and e.get("kind") not in _TOLERATED]
+              if j not in claimed and first - _INJECTED_BEFORE_S <= _t(e) <= first + _SKEW_S
+              and e.get("kind") not in _TOLERATED]
+    pick: dict[int, dict[str, Any]] = {}
     mine = [(j, e) for j, e in window if e.get("rank") in culprits]
-    if mine:  # every rank hit by one planted fault (rank: all) shows once
-        latest = max(_t(e) for _, e in mine)
-        pick = [(j, e) for j, e in mine if latest - _t(e) <= 1.0]
-    else:
+    if mine:
+        j, e = mine[-1]
+        # Every rank hit by one planted fault (rank: all) is one incident.
+        pick.update((k, x) for k, x in mine if x.get("kind") == e.get("kind") and _t(e) - _t(x) <= _AT_ONCE_S)
+    pick.update((j, e) for j, e in window if first - _t(e) <= _AT_ONCE_S)
+    if not pick and window and first - _t(window[-1][1]) <= _UNNAMED_CAUSE_S:
         # No word on the culprit (no agent: under torchrun a survivor reports first): the fault planted
-        # just before is the likely cause.
-        pick = [window[-1]] if window and first - _t(window[-1][1]) <= _UNNAMED_CAUSE_S else []
-    for j, e in pick:
+        # last before it is the likely cause.
+        pick[window[-1][0]] = window[-1][1]
+    for j in sorted(pick, key=lambda k: _t(injections[k])):
         claimed.add(j)
-        inc.injected.append(e)
+        inc.injected.append(injections[j])
 
 
 def _describe(index: int, inc: _Incident, recoveries: list[dict[str, Any]], ev: dict[str, list[dict[str, Any]]],
@@ -134,6 +145,9 @@ def _describe(index: int, inc: _Incident, recoveries: list[dict[str, Any]], ev: 
     reporter = next((d for d in inc.detections if d.get("first_reporter") is True), None)
     inj = inc.injected[0] if inc.injected else None
     culprits = inc.culprits()
+    if inc.injected:  # what was planted names the ranks better than who reported first
+        culprits = sorted({e["rank"] for e in inc.injected if _int(e.get("rank"))}
+                          | {d["rank"] for d in agent if _int(d.get("rank"))})
     cause = agent[0] if agent else (reporter or inc.detections[0])
     phase = _first_of(inj, "phase") or _first_of(agent[0] if agent else None, "phase") or _first_of(reporter, "phase")
     step = _first_of(inj, "step")
@@ -146,7 +160,7 @@ def _describe(index: int, inc: _Incident, recoveries: list[dict[str, Any]], ev: 
     done = [e for e in recoveries if e["generation"] == target] if target is not None else []
     out: dict[str, Any] = {
         "index": index, "t": round(start - t0, 3), "ranks": culprits, "injected": [_brief(e) for e in inc.injected],
-        "kind": inj.get("kind") if inj else cause.get("kind"), "cause": _cause(cause), "phase": phase, "step": step,
+        "kind": "+".join(dict.fromkeys(str(e.get("kind")) for e in inc.injected)) if inj else cause.get("kind"), "cause": _cause(cause), "phase": phase, "step": step,
         "generation": min(inc.gens) if inc.gens else None,
         "detected_by": cause.get("source"), "reported": len(inc.detections),
     }
@@ -204,33 +218,40 @@ def _describe(index: int, inc: _Incident, recoveries: list[dict[str, Any]], ev: 
             out["state"] = "recovering"
     out["segments"] = [[n, round(v, 4)] for n, v in segments]
     out["total_s"] = round(sum(v for _, v in segments), 4)
-    out.update(_hang_details(culprits, start, first, ev))
-    out["spawned"] = _replacements(culprits, first, ev)
+    out.update(_hang_details(agent, start, ev))
+    out["spawned"] = _replacements(agent, ev)
     return out
 
 
-def _hang_details(culprits: list[int], start: float, first: float, ev: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def _hang_details(agent: list[dict[str, Any]], start: float, ev: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """What the hang detector saw of the rank the agent killed as hung, and its stacks (taken just before)."""
     out: dict[str, Any] = {}
-    hangs = [e for e in ev.get("hang_detected", []) if e.get("rank") in culprits and start - 1.0 <= _t(e) <= first + 1.0
-             and not e.get("waiting")]
-    if hangs:
-        h = hangs[-1]
-        out["hang"] = {k: h.get(k) for k in ("section", "step", "since_progress_s", "timeout_s")}
-    stacks = [e for e in ev.get("hang_stacks", []) if e.get("rank") in culprits and start - 1.0 <= _t(e) <= first + 1.0]
-    if stacks:
-        text = str(stacks[-1].get("stacks") or "")
-        out["stacks"] = text
-        out["stuck_in"] = innermost_frame(text)
+    for a in agent:
+        if a.get("kind") != "hang":
+            continue
+        rank, t = a.get("rank"), _t(a)
+        hangs = [e for e in ev.get("hang_detected", []) if e.get("rank") == rank and start - 1.0 <= _t(e) <= t
+                 and not e.get("waiting")]
+        if hangs:
+            h = hangs[-1]
+            out["hang"] = {k: h.get(k) for k in ("section", "step", "since_progress_s", "timeout_s")}
+        stacks = [e for e in ev.get("hang_stacks", []) if e.get("rank") == rank and start - 1.0 <= _t(e) <= t + _SKEW_S]
+        if stacks:
+            text = str(stacks[-1].get("stacks") or "")
+            out["stacks"] = text
+            out["stuck_in"] = innermost_frame(text)
+        return out
     return out
 
 
-def _replacements(culprits: list[int], first: float, ev: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The workers spawned for the culprits, and how long each took to start its run."""
+def _replacements(agent: list[dict[str, Any]], ev: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The workers the agent spawned for the ranks it saw die, and how long each took to start its run."""
     out = []
     starts = [e for e in ev.get("run_start", []) if e.get("replacement") is True]
-    for rank in culprits:
+    for a in agent:
+        rank, t = a.get("rank"), _t(a)
         sp = next((e for e in ev.get("worker_spawned", []) if e.get("rank") == rank and e.get("replacement") is True
-                   and first - 1.0 <= _t(e) <= first + _JOIN_S), None)
+                   and t - _SKEW_S <= _t(e) <= t + _JOIN_S), None)
         if sp is None:
             continue
         st = next((e for e in starts if e.get("pid") == sp.get("pid") and e.get("rank") == rank), None)

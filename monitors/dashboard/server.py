@@ -3,7 +3,7 @@
 One call starts it (the agent's ``--dashboard`` and ``resilient-train
 dashboard`` alike) and ``close`` stops it::
 
-    server = DashboardServer(run_dir, host="127.0.0.1", port=0).start()   # prints its URL and token
+    server = DashboardServer(run_dir, DashboardConfig(host="127.0.0.1", port=0)).start()  # prints URL and token
     ...
     server.close()
 
@@ -21,10 +21,11 @@ import secrets
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["DashboardServer", "DashboardUnavailable", "check_available"]
+__all__ = ["DashboardConfig", "DashboardServer", "DashboardUnavailable", "check_available"]
 
 _MODULES = ("starlette", "uvicorn", "sse_starlette")
 
@@ -43,22 +44,33 @@ def check_available() -> None:
             f"the dashboard server needs {', '.join(missing)}: pip install 'resilient-train[dashboard]'")
 
 
+@dataclass(kw_only=True)
+class DashboardConfig:
+    host: str = "127.0.0.1"  # loopback: only this machine's users reach it (and need the token to steer)
+    port: int = 0  # 0 picks a free port (see DashboardServer.url)
+    refresh_s: float = 1.0  # how often open pages get a new snapshot while the run's events change
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("DashboardConfig.host must not be empty")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"dashboard port must be in [0, 65535], got {self.port}")
+        if self.refresh_s <= 0:
+            raise ValueError(f"DashboardConfig.refresh_s must be > 0, got {self.refresh_s}")
+
+
 class DashboardServer:
-    def __init__(self, run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 refresh_s: float = 1.0, out: TextIO | None = None) -> None:
+    def __init__(self, run_dir: str | Path, config: DashboardConfig | None = None, *, token: str | None = None,
+                 out: TextIO | None = None) -> None:
         check_available()
-        if not 0 <= port < 65536:
-            raise ValueError(f"dashboard port must be in [0, 65535], got {port}")
-        if refresh_s <= 0:
-            raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
+        self.config = config = config or DashboardConfig()
         self.run_dir = Path(run_dir)
         self.token = token or secrets.token_urlsafe(24)
         self._out = out
         self._stopping = threading.Event()
-        self._sock = _bind(host, port)
-        self.host, self.port = host, self._sock.getsockname()[1]
+        self._sock = _bind(config.host, config.port)
+        self.host, self.port = config.host, self._sock.getsockname()[1]
         self._thread: threading.Thread | None = None
-        self._refresh_s = refresh_s
         self._server: Any = None
 
     @property
@@ -78,7 +90,8 @@ class DashboardServer:
 
         if self._thread is not None:
             raise RuntimeError("DashboardServer.start: already started")
-        app = build_app(self.run_dir, token=self.token, refresh_s=self._refresh_s, stopping=self._stopping)
+        app = build_app(self.run_dir, token=self.token, refresh_s=self.config.refresh_s, stopping=self._stopping,
+                        loopback=_is_loopback(self.host))
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", ws="none",
                                 timeout_graceful_shutdown=2, timeout_keep_alive=5)
         self._server = uvicorn.Server(config)

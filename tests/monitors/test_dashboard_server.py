@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn", reason="the dashboard server needs the dashboard 
 pytest.importorskip("sse_starlette", reason="the dashboard server needs the dashboard extra")
 
 from monitors.control import control_path, read_control  # noqa: E402
-from monitors.dashboard import DashboardServer  # noqa: E402
+from monitors.dashboard import DashboardConfig, DashboardServer  # noqa: E402
 from monitors.dashboard.app import TOKEN_HEADER  # noqa: E402
 from monitors.dashboard.cli import dashboard_main  # noqa: E402
 from monitors.events import read_events  # noqa: E402
@@ -59,7 +59,7 @@ def _request(url: str, *, body: Any = None, token: str | None = None) -> tuple[i
 def test_binds_loopback_serves_the_page_and_its_state(tmp_path: Path) -> None:
     run = _run_dir(tmp_path)
     out = io.StringIO()
-    with DashboardServer(run, port=0, out=out) as server:
+    with DashboardServer(run, out=out) as server:
         assert server.host == "127.0.0.1" and server._sock.getsockname()[0] == "127.0.0.1"
         printed = out.getvalue()
         assert f"http://127.0.0.1:{server.port}/#token={server.token}" in printed
@@ -73,12 +73,20 @@ def test_binds_loopback_serves_the_page_and_its_state(tmp_path: Path) -> None:
         assert status == 200 and state["run"]["state"] == "finished"
         assert [i["kind"] for i in state["incidents"]] == ["kill"]
         assert _request(server.url + "api/state?metric=nonsense")[0] == 400
+        # A page on another site that rebinds its name to 127.0.0.1 gets nothing.
+        req = urllib.request.Request(server.url + "api/state", headers={"Host": f"evil.example:{server.port}"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 400
+        req = urllib.request.Request(server.url + "api/state", headers={"Host": f"localhost:{server.port}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
 
 
 @pytest.mark.timeout(60)
 def test_a_wrong_or_missing_token_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     run = _run_dir(tmp_path)
-    with DashboardServer(run, port=0, out=io.StringIO()) as server:
+    with DashboardServer(run, out=io.StringIO()) as server:
         url = server.url + "api/straggler"
         for token in (None, "", "wrong", server.token[:-1], server.token + "x"):
             status, body = _request(url, body={"enabled": False}, token=token)
@@ -99,7 +107,7 @@ def test_a_wrong_or_missing_token_is_refused_and_changes_nothing(tmp_path: Path)
         assert [(e["source"], e["enabled"], e["threshold"]) for e in changes] == [
             ("dashboard", False, None), ("dashboard", False, 0.5)]
         # A second server on the same run has its own token: the first one's is worth nothing there.
-        with DashboardServer(run, port=0, out=io.StringIO()) as other:
+        with DashboardServer(run, out=io.StringIO()) as other:
             assert _request(other.url + "api/straggler", body={"enabled": True}, token=server.token)[0] == 403
         assert read_control(run).enabled is False
 
@@ -107,7 +115,7 @@ def test_a_wrong_or_missing_token_is_refused_and_changes_nothing(tmp_path: Path)
 @pytest.mark.timeout(60)
 def test_the_live_stream_pushes_snapshots_as_server_sent_events(tmp_path: Path) -> None:
     run = _run_dir(tmp_path)
-    with DashboardServer(run, port=0, out=io.StringIO(), refresh_s=0.2) as server:
+    with DashboardServer(run, DashboardConfig(refresh_s=0.2), out=io.StringIO()) as server:
         with urllib.request.urlopen(server.url + "api/stream?metric=individual", timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/event-stream")
             lines = []
@@ -140,6 +148,21 @@ def test_cli_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "--export" in helptext and "token" in helptext and "127.0.0.1" in helptext
     assert dashboard_main([str(tmp_path / "missing")]) == 2
     run = _run_dir(tmp_path)
-    with DashboardServer(run, port=0, out=io.StringIO()) as server:  # its port is taken
+    with DashboardServer(run, out=io.StringIO()) as server:  # its port is taken
         assert dashboard_main([str(run), "--port", str(server.port)]) == 2
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_run_dashboard_without_the_extra_is_a_one_line_error_before_anything_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import monitors.dashboard.server as server_module
+    from resilient_train.agent import AgentConfig
+
+    script = str(Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py")
+    monkeypatch.setattr(server_module, "_MODULES", (*server_module._MODULES, "no_such_module_for_this_test"))
+    with pytest.raises(ValueError, match=r"needs no_such_module_for_this_test: pip install 'resilient-train\[dashboard\]'"):
+        AgentConfig(script=script, dashboard=DashboardConfig())
+    AgentConfig(script=script)  # without --dashboard nothing needs it
+    with pytest.raises(ValueError, match="dashboard port"):
+        DashboardConfig(port=70000)

@@ -37,7 +37,7 @@
     if (v < 3600) return Math.floor(v / 60) + ' min ' + Math.round(v % 60) + ' s';
     return (v / 3600).toFixed(1) + ' h';
   }
-  function at(t) { return (t === null || t === undefined) ? '–' : 't=' + secs(t).replace(' ms', ' ms'); }
+  function at(t) { return (t === null || t === undefined) ? '–' : 't=' + secs(t); }
   function metricLabel(m) {
     if (m === 'relative') return 'relative (vs the fastest rank)';
     if (m === 'individual') return 'individual (vs its own best)';
@@ -281,10 +281,13 @@
     body.querySelectorAll('details[data-index]').forEach(function (el) { ui.openDetails[el.dataset.index] = el.open; });
     if (!d.incidents.length) { body.innerHTML = '<tr><td colspan="14" class="empty">no fault so far</td></tr>'; return; }
     body.innerHTML = d.incidents.map(function (i) {
-      var inj = i.injected.length ? i.injected.map(function (x) { return x.kind; }).join(' + ') + ' (injected)' : 'fault';
+      var inj = i.injected.length ? i.injected.map(function (x) {
+        return x.kind + (i.injected.length > 1 ? ' r' + x.rank + (x.phase ? ' ' + x.phase : '') : '');
+      }).join(' + ') + ' (injected)' : 'fault';
       var fault = esc(inj) + (i.phase ? ' · ' + esc(i.phase) : '') + (i.step !== null && i.step !== undefined ? ' · step ' + i.step : '');
       var first = i.segments.filter(function (s) { return s[0] === 'first_step' || s[0] === 'recovering'; })[0];
-      var row = '<tr class="incident" data-index="' + i.index + '" data-kind="' + esc(i.kind || '') + '" data-ranks="' + i.ranks.join(',') +
+      var planted = i.injected.map(function (x) { return x.kind + '@' + x.rank; }).join(' ');
+      var row = '<tr class="incident" data-index="' + i.index + '" data-kind="' + esc(i.kind || '') + '" data-faults="' + esc(planted) + '" data-ranks="' + i.ranks.join(',') +
         '" data-phase="' + esc(i.phase || '') + '" data-state="' + esc(i.state) + '"><td>' + i.index + '</td><td class="nowrap">' + at(i.t) + '</td><td>' + fault +
         '</td><td>' + (i.ranks.length ? i.ranks.join(', ') : '–') + '</td><td>' + esc(i.cause || '–') + '</td><td>' + stateTag(i.state) + '</td>' +
         ['detect', 'abort', 'rendezvous', 'heal', 'other'].map(function (n) { return segCell(i, n); }).join('') +
