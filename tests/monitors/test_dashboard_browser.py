@@ -4,8 +4,9 @@
   the page flags the slow rank within a few report intervals, shows the kill on the recovery
   timeline split into its phases, and its toggle turns straggler detection off (the next
   report says so);
-* export: a finished 4-rank job with four faults, exported to one file and opened from disk with
-  the network cut off, shows every fault (and the hung rank's stacks).
+* export: a 4-rank job with four faults, watched live to its end (the page's last update says
+  it finished), exported to one file and opened from disk with the network cut off, shows every
+  fault (and the hung rank's stacks).
 
 Screenshots are saved under the test's tmp dir (the paths are printed).
 """
@@ -25,7 +26,7 @@ from typing import Any
 
 import pytest
 from browser import SKIP_REASON, chromium
-from jobs import GPT, REPO, SMALL_GPT, cli, run_gpt
+from jobs import GPT, REPO, SMALL_GPT, cli
 
 from monitors.events import read_events
 
@@ -51,13 +52,13 @@ def _of(run: Path, name: str) -> list[dict[str, Any]]:
 class _Agent:
     """``resilient-train run --dashboard`` in the background; its output is drained into a queue."""
 
-    def __init__(self, run: Path, cfg: Path, faults: list[dict[str, Any]]) -> None:
+    def __init__(self, run: Path, cfg: Path, faults: list[dict[str, Any]], steps: int = 100_000) -> None:
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "resilient_train.cli", "run", "--dashboard", "--nproc-per-node", "4",
              "--run-dir", str(run), "--monitor-config", str(cfg), "--chaos", json.dumps(faults),
-             str(GPT), "--steps", "100000", *SMALL_GPT],
+             str(GPT), "--steps", str(steps), *SMALL_GPT],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
         )
         threading.Thread(target=self._drain, name="agent-output", daemon=True).start()
@@ -146,10 +147,16 @@ def test_export_of_a_finished_run_opens_offline_and_shows_every_fault(tmp_path: 
               {"kind": "raise", "rank": 2, "step": 40, "phase": "forward"},
               {"kind": "block", "rank": 3, "step": 60, "phase": "forward"},
               {"kind": "hang", "rank": 0, "step": 80, "phase": "data"}]
-    job = run_gpt(run, nproc=4, steps=100, faults=faults, timeout=300,
-                  agent_args=["--monitor-config", str(_monitor_config(tmp_path))])
-    assert job.returncode == 0, job.stderr[-3000:]
-    injected = job.of("fault_injected")
+    agent = _Agent(run, _monitor_config(tmp_path), faults, steps=100)
+    try:
+        url = agent.wait_line(r"dashboard: (http://\S+)", 120).group(1)
+        with chromium() as page:  # watched live to the end: the page's last push says the job finished
+            page.goto(url)
+            page.wait_for_selector("#run-state[data-state='finished']", timeout=300_000)
+        assert agent.proc.wait(timeout=60) == 0, "".join(agent.output)[-3000:]
+    finally:
+        agent.close()
+    injected = [e for e in read_events(run) if e["event"] == "fault_injected"]
     assert len(injected) == len(faults)
     out = tmp_path / "report.html"
     p = cli("dashboard", str(run), "--export", str(out), timeout=60)
