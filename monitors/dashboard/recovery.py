@@ -149,78 +149,84 @@ def _describe(index: int, inc: _Incident, recoveries: list[dict[str, Any]], ev: 
         culprits = sorted({e["rank"] for e in inc.injected if _int(e.get("rank"))}
                           | {d["rank"] for d in agent if _int(d.get("rank"))})
     cause = agent[0] if agent else (reporter or inc.detections[0])
-    phase = _first_of(inj, "phase") or _first_of(agent[0] if agent else None, "phase") or _first_of(reporter, "phase")
-    step = _first_of(inj, "step")
-    if step is None:
-        step = _first_of(agent[0] if agent else None, "step")
-    if step is None:
-        step = _first_of(reporter, "step")
+    said = [inj, agent[0] if agent else None, reporter]  # who knows the phase and step best, first
+    own_error = reporter is not None and reporter.get("rank") in culprits and reporter.get("error")
+    seen = next((d for d in inc.detections if d.get("error")), None)
+    out: dict[str, Any] = {
+        "index": index, "t": round(start - t0, 3), "ranks": culprits, "injected": [_brief(e) for e in inc.injected],
+        "kind": "+".join(dict.fromkeys(str(e.get("kind")) for e in inc.injected)) if inj else cause.get("kind"),
+        "cause": _cause(cause), "phase": next((e["phase"] for e in said if e and e.get("phase")), None),
+        "step": next((e["step"] for e in said if e and e.get("step") is not None), None),
+        "generation": min(inc.gens) if inc.gens else None, "detected_by": cause.get("source"),
+        "reported": len(inc.detections),
+        "error": str(reporter["error"] if own_error else (seen or {}).get("error") or "")[:300] or None,
+        "error_from_culprit": bool(own_error),
+    }
     top = max(inc.gens) if inc.gens else None
     target = next((e["generation"] for e in recoveries if _t(e) >= first and (top is None or e["generation"] > top)), None)
     done = [e for e in recoveries if e["generation"] == target] if target is not None else []
-    out: dict[str, Any] = {
-        "index": index, "t": round(start - t0, 3), "ranks": culprits, "injected": [_brief(e) for e in inc.injected],
-        "kind": "+".join(dict.fromkeys(str(e.get("kind")) for e in inc.injected)) if inj else cause.get("kind"), "cause": _cause(cause), "phase": phase, "step": step,
-        "generation": min(inc.gens) if inc.gens else None,
-        "detected_by": cause.get("source"), "reported": len(inc.detections),
-    }
-    own_error = reporter is not None and reporter.get("rank") in culprits and reporter.get("error")
-    seen = next((d for d in inc.detections if d.get("error")), None)
-    out["error"] = str(reporter["error"] if own_error else (seen or {}).get("error") or "")[:300] or None
-    out["error_from_culprit"] = bool(own_error)
-    segments: list[tuple[str, float]] = []
     if done:
-        crit = max(done, key=_t)
-        t_done = _t(crit)
-        own = next((d for d in inc.detections if d.get("source") != "agent" and d.get("rank") == crit.get("rank")), None)
-        parts = [(n, max(0.0, _num(crit.get(f"{n}_s")))) for n in ("abort", "rendezvous", "heal")]
-        t_own = _t(own) if own is not None else t_done - sum(v for _, v in parts)
-        segments.append(("detect", max(0.0, t_own - start)))
-        segments += parts
-        segments.append(("other", max(0.0, t_done - t_own - sum(v for _, v in parts))))
-        first_step = crit.get("first_step_s")
-        if _is_num(first_step):
-            segments.append(("first_step", float(first_step)))
-            out["state"] = "recovered"
-        else:
-            k = bisect.bisect_right(step_times, t_done)
-            if k < len(step_times):
-                segments.append(("first_step", step_times[k] - t_done))
-                out["state"] = "recovered"
-            elif finished:
-                out["state"] = "recovered (no step after it)"
-            else:
-                segments.append(("recovering", max(0.0, now - t_done)))
-                out["state"] = "first step pending"
-        out.update({
-            "critical_rank": crit.get("rank"), "resume_step": crit.get("resume_step"),
-            "replacements": crit.get("replacements"),
-            "steps_redone": max((int(e["steps_redone"]) for e in done if _is_num(e.get("steps_redone"))), default=None),
-            "reporters": [{k: (round(v, 4) if _is_num(v) else v) for k, v in e.items()
-                           if k in ("rank", "detect_s", "abort_s", "rendezvous_s", "heal_s", "first_step_s")}
-                          for e in sorted(done, key=lambda e: e.get("rank", 0))],
-        })
+        segments, state = _recovered(inc, done, start, step_times, now, finished, out)
     else:
-        segments.append(("detect", max(0.0, first - start)))
-        later = [e for e in ev.get("resumed_from_disk", []) if _t(e) >= first]
-        if later:  # every rank lost: no survivor to time the recovery; the ranks loaded a checkpoint
-            t_loaded = _t(later[-1] if len(later) < 2 else max(later, key=_t))
-            segments.append(("other", max(0.0, t_loaded - first)))
-            out["from_disk_step"] = later[0].get("step")
-            k = bisect.bisect_right(step_times, t_loaded)
-            if k < len(step_times):
-                segments.append(("first_step", step_times[k] - t_loaded))
-            out["state"] = "recovered from disk"
-        elif finished:
-            out["state"] = "not recovered"
-        else:
-            segments.append(("recovering", max(0.0, now - first)))
-            out["state"] = "recovering"
+        segments, state = _unrecovered(first, start, ev, step_times, now, finished, out)
+    out["state"] = state
     out["segments"] = [[n, round(v, 4)] for n, v in segments]
     out["total_s"] = round(sum(v for _, v in segments), 4)
     out.update(_hang_details(agent, start, ev))
     out["spawned"] = _replacements(agent, ev)
     return out
+
+
+def _recovered(inc: _Incident, done: list[dict[str, Any]], start: float, step_times: list[float], now: float,
+               finished: bool, out: dict[str, Any]) -> tuple[list[tuple[str, float]], str]:
+    """The bar of the critical (last to recover) survivor, from its own detection and timings."""
+    crit = max(done, key=_t)
+    t_done = _t(crit)
+    own = next((d for d in inc.detections if d.get("source") != "agent" and d.get("rank") == crit.get("rank")), None)
+    parts = [(n, max(0.0, _num(crit.get(f"{n}_s")))) for n in ("abort", "rendezvous", "heal")]
+    spent = sum(v for _, v in parts)
+    t_own = _t(own) if own is not None else t_done - spent
+    segments = [("detect", max(0.0, t_own - start)), *parts, ("other", max(0.0, t_done - t_own - spent))]
+    state = "recovered"
+    if _is_num(crit.get("first_step_s")):
+        segments.append(("first_step", float(crit["first_step_s"])))
+    else:
+        k = bisect.bisect_right(step_times, t_done)
+        if k < len(step_times):
+            segments.append(("first_step", step_times[k] - t_done))
+        elif finished:
+            state = "recovered (no step after it)"
+        else:
+            segments.append(("recovering", max(0.0, now - t_done)))
+            state = "first step pending"
+    out.update({
+        "critical_rank": crit.get("rank"), "resume_step": crit.get("resume_step"),
+        "replacements": crit.get("replacements"),
+        "steps_redone": max((int(e["steps_redone"]) for e in done if _is_num(e.get("steps_redone"))), default=None),
+        "reporters": [{k: (round(v, 4) if _is_num(v) else v) for k, v in e.items()
+                       if k in ("rank", "detect_s", "abort_s", "rendezvous_s", "heal_s", "first_step_s")}
+                      for e in sorted(done, key=lambda e: e.get("rank", 0))],
+    })
+    return segments, state
+
+
+def _unrecovered(first: float, start: float, ev: dict[str, list[dict[str, Any]]], step_times: list[float],
+                 now: float, finished: bool, out: dict[str, Any]) -> tuple[list[tuple[str, float]], str]:
+    """No survivor timed a recovery: still going, resumed from disk (every rank lost), or never."""
+    segments = [("detect", max(0.0, first - start))]
+    later = [e for e in ev.get("resumed_from_disk", []) if _t(e) >= first]
+    if later:
+        t_loaded = max(_t(e) for e in later)
+        segments.append(("other", max(0.0, t_loaded - first)))
+        out["from_disk_step"] = later[0].get("step")
+        k = bisect.bisect_right(step_times, t_loaded)
+        if k < len(step_times):
+            segments.append(("first_step", step_times[k] - t_loaded))
+        return segments, "recovered from disk"
+    if finished:
+        return segments, "not recovered"
+    segments.append(("recovering", max(0.0, now - first)))
+    return segments, "recovering"
 
 
 def _hang_details(agent: list[dict[str, Any]], start: float, ev: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

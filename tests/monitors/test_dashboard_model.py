@@ -256,3 +256,22 @@ def test_a_backlog_larger_than_one_read_is_taken_in_slices_by_one_refresh(tmp_pa
     model = RunModel(tmp_path)
     assert model.refresh()
     assert model.snapshot()["steps"]["count"] == 100
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_lost_is_timed_to_the_checkpoint_load_and_the_first_step(tmp_path: Path) -> None:
+    ev = [_ev(0, "agent_start", world_size=2),
+          _ev(5.0, "fault_injected", "rank0", rank=0, kind="kill", phase="forward", step=30),
+          _ev(5.0, "fault_injected", "rank1", rank=1, kind="kill", phase="forward", step=30),
+          _ev(5.1, "fault_detected", "agent", rank=0, how="signal SIGKILL", generation=3, kind="exit"),
+          _ev(5.1, "fault_detected", "agent", rank=1, how="signal SIGKILL", generation=3, kind="exit"),
+          _ev(9.0, "resumed_from_disk", "rank0", rank=0, step=24, generation=4),
+          _ev(9.0, "resumed_from_disk", "rank1", rank=1, step=24, generation=4),
+          _ev(9.5, "step_done", "rank0", step=25, generation=4)]
+    _write(tmp_path, ev)
+    model = RunModel(tmp_path)
+    model.refresh()
+    [inc] = model.snapshot()["incidents"]  # both ranks, killed at once, in one generation: one incident
+    assert inc["ranks"] == [0, 1] and inc["state"] == "recovered from disk" and inc["from_disk_step"] == 24
+    assert dict(inc["segments"]) == {"detect": pytest.approx(0.1), "other": pytest.approx(3.9),
+                                     "first_step": pytest.approx(0.5)}
