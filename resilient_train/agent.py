@@ -114,6 +114,12 @@ class Agent:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self._check_run_dir()
+        self._dashboard: DashboardServer | None = None
+        if config.dashboard is not None:
+            try:  # binds now, before anything else starts: a port in use is bad input
+                self._dashboard = DashboardServer(self.run_dir, config.dashboard)
+            except ValueError as e:
+                raise AgentError(str(e)) from None
         self.events = EventLog(self.run_dir / "events.jsonl", source="agent")
         first = config.node_rank * config.nproc_per_node
         self._stacks = StackDumps(self.run_dir)
@@ -137,12 +143,6 @@ class Agent:
             self.events.emit("monitor_state_ignored", path=str(self._monitor_state), reason=str(e))
         self._monitor_saved_at = time.monotonic()
         self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
-        self._dashboard: DashboardServer | None = None
-        if config.dashboard is not None:
-            try:  # binds now: a port in use is bad input
-                self._dashboard = DashboardServer(self.run_dir, config.dashboard)
-            except ValueError as e:
-                raise AgentError(str(e)) from None
 
     def _check_run_dir(self) -> None:
         try:

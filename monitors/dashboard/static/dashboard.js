@@ -386,7 +386,15 @@
     ui.source = es;
     es.addEventListener('state', function (e) { render(JSON.parse(e.data)); });
     es.onopen = function () { $('live').textContent = 'live'; $('live').className = 'live on'; };
-    es.onerror = function () { $('live').textContent = 'disconnected, retrying'; $('live').className = 'live off'; };
+    es.onerror = function () {
+      if (ui.data && ui.data.run.state !== 'running') {  // the job ended and its agent took the server down
+        es.close();
+        $('live').textContent = 'job ended; server stopped';
+      } else {
+        $('live').textContent = 'disconnected, retrying';
+      }
+      $('live').className = 'live off';
+    };
   }
 
   function token() { return $('token').value.trim(); }
