@@ -110,6 +110,9 @@
     }
     $('toggle-detection').textContent = enabled ? 'Turn detection off' : 'Turn detection on';
     $('toggle-detection').dataset.next = enabled ? 'off' : 'on';
+    var live = ui.data && (ui.data.run.state === 'running' || ui.data.run.state === 'no events yet');  // a finished job has nothing to steer
+    ['toggle-detection', 'apply-threshold', 'threshold'].forEach(function (id) { $(id).disabled = !live; });
+    if (!live && ui.data && !$('control-msg').dataset.status) $('control-msg').textContent = 'the job is not running';
     var th = $('threshold');
     if (document.activeElement !== th && s.threshold !== null && s.threshold !== undefined) th.value = s.threshold;
   }
