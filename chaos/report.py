@@ -1,12 +1,13 @@
-"""``report.md``, ``report.json`` and ``progress.png`` of a scenario run."""
+"""``report.md``, ``report.json``, ``progress.png`` and ``report.html`` (the dashboard) of a scenario run."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chaos.png import GREEN, ORANGE, RED, progress_plot
+from chaos.png import GREEN, ORANGE, RED, PlotUnavailable, progress_plot
 
 if TYPE_CHECKING:
     from chaos.runner import ScenarioResult
@@ -23,9 +24,27 @@ def write_report(result: "ScenarioResult") -> None:
         for v, colour in ((t.injected, RED), (t.detected, ORANGE), (t.recovered, GREEN)):
             if v is not None:
                 marks.append((v, colour))
-    progress_plot(out / "progress.png", result.progress.steps, marks, total_s=max(result.run.wall_s, 1.0),
-                  total_steps=result.scenario.job.steps)
-    (out / "report.md").write_text(_markdown(result))
+    plotted = True
+    try:
+        progress_plot(out / "progress.png", result.progress.steps, marks, total_s=max(result.run.wall_s, 1.0),
+                      total_steps=result.scenario.job.steps)
+    except PlotUnavailable as e:  # the verdict does not depend on a picture
+        print(f"chaos report: no progress.png: {e}", file=sys.stderr)
+        plotted = False
+    dashboard = _dashboard(result)
+    (out / "report.md").write_text(_markdown(result, plotted=plotted, dashboard=dashboard))
+
+
+def _dashboard(r: "ScenarioResult") -> bool:
+    """The run's dashboard as one self-contained page beside the report (no server needed to open it)."""
+    from monitors.dashboard.export import export_html
+
+    try:
+        export_html(r.run.run_dir, r.out_dir / "report.html")
+    except (OSError, ValueError) as e:
+        print(f"chaos report: no report.html: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _as_json(r: "ScenarioResult") -> dict[str, Any]:
@@ -56,7 +75,7 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def _markdown(r: "ScenarioResult") -> str:
+def _markdown(r: "ScenarioResult", *, plotted: bool = True, dashboard: bool = True) -> str:
     verdict = "PASS" if r.ok else "FAIL (broken: " + ", ".join(r.broken()) + ")"
     ref = r.reference_progress
     lines = [
@@ -92,10 +111,13 @@ def _markdown(r: "ScenarioResult") -> str:
         f"Wall time of the job, launch to exit: {r.run.wall_s:.1f} s"
         + (f" (reference {r.reference.wall_s:.1f} s)." if r.reference else "."),
         "",
-        "![step progress](progress.png)",
-        "",
-        "Plot: steps of rank 0 (blue) over seconds since launch; per fault a red line when injected, "
-        "orange when detected, green when every rank trained again. Grid: 10 s on x, a tenth of the steps on y.",
-        "",
+        *(["![step progress](progress.png)", "",
+           "Plot: steps of rank 0 (blue) over seconds since launch; per fault a red line when injected, "
+           "orange when detected, green when every rank trained again. Grid: 10 s on x, a tenth of the steps on y.",
+           ""] if plotted else ["(No step plot: matplotlib is not installed; `pip install 'resilient-train[chaos]'`.)", ""]),
+        *(["## Dashboard", "",
+           "[report.html](report.html): the run's dashboard in one file (opens with no server and no network): "
+           "each fault's recovery split into detect, abort, rendezvous, heal and first step; straggler scores; "
+           "checkpoints.", ""] if dashboard else []),
     ]
     return "\n".join(lines)

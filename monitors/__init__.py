@@ -6,6 +6,8 @@ with CUDA events, ``device_timing``); the node agent polls a ``NodeMonitor``
 (or ``HangDetector`` and ``StragglerDetector`` directly), takes hung ranks'
 stacks (``stacks``) and keeps the computed timeouts across jobs and in
 checkpoints (``persist``). ``cupti_kernels`` is the optional NVRx backend.
+``dashboard`` is the live straggler and recovery page (and its export); it is
+not imported here: its server needs the ``dashboard`` extra.
 """
 
 from monitors.control import StragglerControl, read_control, write_control

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from monitors.control import read_control, write_control
 from monitors.events import read_events
 from monitors.progress import ProgressReader
+from monitors.stacks import innermost_frame
 
 __all__ = ["status_main", "straggler_main"]
 
@@ -145,7 +146,7 @@ def status_main(argv: list[str], out: TextIO | None = None) -> int:
     w(f"faults: {len(faults)}" + (f"; hangs detected: {len(hangs)}" if hangs else ""))
     stacks = {(e.get("rank"), e.get("pid")): e.get("stacks", "") for e in kinds.get("hang_stacks", [])}
     for f in faults[-10:]:
-        where = _innermost_frame(stacks.get((f.get("rank"), f.get("pid")), ""))
+        where = innermost_frame(stacks.get((f.get("rank"), f.get("pid")), ""))
         w(f"  {f.get('kind', '?')} rank {f.get('rank', '?')} at step {f.get('step', '?')} "
           f"({f.get('phase', '?')})" + (f", stuck in {where}" if where else ""))
     recs = kinds.get("recovery_done", [])
@@ -158,9 +159,3 @@ def status_main(argv: list[str], out: TextIO | None = None) -> int:
         w("final state written")
     return 0
 
-
-def _innermost_frame(dump: str) -> str | None:
-    """``file:line in function`` of the signalled thread's innermost frame in a faulthandler dump."""
-    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
-    m = re.search(r'File "([^"]+)", line (\d+) in (\S+)', block)
-    return f"{m.group(1)}:{m.group(2)} in {m.group(3)}" if m else None

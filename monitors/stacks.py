@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import signal
 from pathlib import Path
 from typing import IO
 
-__all__ = ["DUMP_WAIT_S", "StackDumps", "install_stack_dump", "is_stopped", "stacks_path"]
+__all__ = ["DUMP_WAIT_S", "StackDumps", "innermost_frame", "install_stack_dump", "is_stopped", "stacks_path"]
 
 DUMP_WAIT_S = 0.3  # at most: the agent kills as soon as the dump is written (``StackDumps.written``)
 MAX_LOGGED_CHARS = 6000
@@ -111,3 +112,10 @@ class StackDumps:
         except FileNotFoundError:
             return None
         return text[:MAX_LOGGED_CHARS] or None
+
+
+def innermost_frame(dump: str) -> str | None:
+    """``file:line in function`` of the signalled thread's innermost frame in a faulthandler dump."""
+    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
+    m = re.search(r'File "([^"]+)", line (\d+) in (\S+)', block)
+    return f"{m.group(1)}:{m.group(2)} in {m.group(3)}" if m else None

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from monitors import EventLog, MonitorConfig, NodeMonitor
+from monitors.dashboard.server import DashboardConfig, DashboardServer, DashboardUnavailable
+from monitors.dashboard.server import check_available as check_dashboard
 from monitors.persist import monitor_state_path, offered_state_path, take_offer
 from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
@@ -66,6 +68,7 @@ class AgentConfig:
     chaos: str = ""  # JSON list of faults for the workers (chaos.dumps_faults)
     env: dict[str, str] = field(default_factory=dict)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
+    dashboard: DashboardConfig | None = None  # serve the live dashboard (monitors.dashboard) while the job runs
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -80,6 +83,11 @@ class AgentConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not Path(self.script).is_file():
             raise ValueError(f"script {self.script!r} does not exist")
+        if self.dashboard is not None:
+            try:
+                check_dashboard()  # a missing extra is bad input, said before anything starts
+            except DashboardUnavailable as e:
+                raise ValueError(str(e)) from None
 
     @property
     def world_size(self) -> int:
@@ -109,6 +117,12 @@ class Agent:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self._check_run_dir()
+        self._dashboard: DashboardServer | None = None
+        if config.dashboard is not None:
+            try:  # binds now, before anything else starts: a port in use is bad input
+                self._dashboard = DashboardServer(self.run_dir, config.dashboard)
+            except ValueError as e:
+                raise AgentError(str(e)) from None
         self.events = EventLog(self.run_dir / "events.jsonl", source="agent")
         first = config.node_rank * config.nproc_per_node
         self._stacks = StackDumps(self.run_dir)
@@ -248,6 +262,8 @@ class Agent:
     def run(self) -> int:
         c = self.config
         self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=c.script, args=c.script_args)
+        if self._dashboard is not None:
+            self._dashboard.start()
         # The spare imports torch first, alone: the ranks starting beside it
         # would slow its import several-fold, and a fault early in the run
         # would find it still cold.
@@ -426,6 +442,8 @@ class Agent:
             self.events.emit("monitor_state_not_saved", path=str(self._monitor_state), reason=str(e))
 
     def close(self) -> None:
+        if self._dashboard is not None:
+            self._dashboard.close()
         self._kill_workers()
         self._save_monitor_state()
         self.monitor.close()

@@ -5,6 +5,7 @@
     resilient-train ckpt {ls,verify,inspect,diff}    checkpoints and final states
     resilient-train status RUN_DIR                   summary of a live or finished run
     resilient-train straggler RUN_DIR [--on|--off] [--threshold X]   steer straggler detection at run time
+    resilient-train dashboard RUN_DIR [--port P] [--host H] [--export FILE]   the live straggler and recovery page
     resilient-train chaos {run,matrix,plan,list}    prove that a job survives faults
 """
 
@@ -33,6 +34,11 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chaos", default="", help="JSON list of faults to inject (see the chaos package)")
     p.add_argument("--monitor-config", default=None,
                    help="YAML/JSON file with hang, straggler and metrics settings (see monitors.MonitorConfig)")
+    p.add_argument("--dashboard", action="store_true",
+                   help="serve the live dashboard of this job (prints its URL and control token; "
+                        "needs the dashboard extra)")
+    p.add_argument("--dashboard-port", type=int, default=0, help="port of the dashboard (default 0: a free one)")
+    p.add_argument("--dashboard-host", default="127.0.0.1", help="address the dashboard binds (default 127.0.0.1)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -40,11 +46,13 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     from resilient_train.agent import Agent, AgentConfig, AgentError
     from monitors import MonitorConfig
+    from monitors.dashboard.server import DashboardConfig
 
     config = AgentConfig(
         script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port, run_dir=args.run_dir,
         max_restarts=args.max_restarts, warm_spare=not args.no_spare, chaos=args.chaos,
+        dashboard=DashboardConfig(host=args.dashboard_host, port=args.dashboard_port) if args.dashboard else None,
         **({"monitor": MonitorConfig.load(args.monitor_config)} if args.monitor_config else {}),
     )
     try:
@@ -74,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from monitors.cli import straggler_main
 
         return straggler_main(argv[1:])
+    if argv[:1] == ["dashboard"]:
+        from monitors.dashboard.cli import dashboard_main
+
+        return dashboard_main(argv[1:])
     if argv[:1] == ["chaos"]:
         from chaos.cli import main as chaos_main
 
@@ -88,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("ckpt", help="list, verify, inspect and diff checkpoints (see: resilient-train ckpt --help)")
     sub.add_parser("status", help="summary of a live or finished run (see: resilient-train status --help)")
     sub.add_parser("straggler", help="switch straggler detection of a running job on/off, or set its threshold")
+    sub.add_parser("dashboard", help="the live straggler and recovery page of a run, or --export it to one HTML file")
     sub.add_parser("chaos", help="run chaos scenarios and the fault matrix (see: resilient-train chaos --help)")
     args = parser.parse_args(argv)
     try:

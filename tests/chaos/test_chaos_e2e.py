@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from chaos.cli import LIBRARY
 from chaos.matrix import UNSUPPORTED, MatrixConfig, run_matrix
 from chaos.schedule import all_kinds
 from chaos.testing import chaos_reference_cache, chaos_run  # noqa: F401  (fixtures)
+from monitors.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,6 +41,16 @@ def test_soak_short_random_faults_bitwise(chaos_run) -> None:  # noqa: F811
     result = chaos_run(LIBRARY / "soak-short.yaml")
     assert sum(t.injected is not None for t in result.timelines) >= 8
     assert {c.name for c in result.checks} >= {"completes", "bitwise", "detected", "recovered", "min_faults"}
+    # The report's dashboard (one self-contained file) shows every planted fault, on one incident each.
+    page = (result.out_dir / "report.html").read_text()
+    assert not re.search(r'(src|href)\s*=\s*["\']?(https?:)?//', page)
+    data = json.loads(re.search(r'<script id="rt-data" type="application/json">(.*?)</script>', page, re.S)
+                      .group(1).replace("<\\/", "</"))
+    shown = sorted((f["kind"], f["rank"], f["step"]) for i in data["incidents"] for f in i["injected"])
+    planted = sorted((e["kind"], e["rank"], e["step"]) for e in read_events(result.run.run_dir)
+                     if e["event"] == "fault_injected")
+    assert shown == planted and len(planted) >= 8
+    assert "[report.html](report.html)" in (result.out_dir / "report.md").read_text()
 
 
 @pytest.mark.timeout(300)
