@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from monitors.progress import ProgressReader, ProgressSnapshot
-from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS
+from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS, Section
+
+RECOVERY = Section.RECOVERY.value
 
 __all__ = ["Hang", "HangConfig", "HangDetector", "ranks_to_kill"]
 
@@ -162,16 +164,27 @@ class HangDetector:
                     since = now - self._since[rank]
             limit = self.timeout(section)
             if since > limit:
-                waiting: tuple[int, ...] = ()
-                if section in self.config.collective_sections:
-                    waiting = tuple(sorted(
-                        r for r, s in live.items()
-                        if r != rank and (s is None or s.section not in self.config.collective_sections)
-                    ))
+                waiting = self._waiting_on(rank, section, live)
                 hangs.append(Hang(rank=rank, pid=pid, section=section, step=step,
                                   since_progress_s=since, timeout_s=limit, waiting_on=waiting))
         hangs.sort(key=lambda h: -h.since_progress_s)
         return hangs
+
+    def _waiting_on(self, rank: int, section: str, live: dict[int, ProgressSnapshot | None]) -> tuple[int, ...]:
+        """The peers a rank past its timeout waits for, if it waits at all.
+
+        In a collective it waits for peers outside one, unless they went on to
+        the next generation's recovery (then nothing will come: it is stuck). In
+        recovery it waits for every peer that has not joined it there (a peer
+        still stuck in an old collective, or a replacement starting up).
+        """
+        collective = self.config.collective_sections
+        if section in collective:
+            return tuple(sorted(r for r, s in live.items() if r != rank and (
+                s is None or (s.section not in collective and s.section != RECOVERY))))
+        if section == RECOVERY:
+            return tuple(sorted(r for r, s in live.items() if r != rank and (s is None or s.section != RECOVERY)))
+        return ()
 
     def _observe(self, rank: int, snap: ProgressSnapshot) -> None:
         key = (rank, snap.identity)

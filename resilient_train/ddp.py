@@ -45,13 +45,17 @@ class ReplicatedModule(torch.nn.Module):
 
     def rebuild(self, group: dist.ProcessGroup, reducer: GradientReducer, *, first: bool) -> None:
         """Builds DDP on ``group``; only the first generation syncs the module from rank 0 (later ones heal)."""
-        self._ddp = None  # the last generation's DDP goes first: it holds the old group
+        self.drop()  # the last generation's DDP goes first: it holds the old group
         kwargs = dict(self._kwargs)
         if not first:
             kwargs.setdefault("init_sync", False)
         ddp = DDP(self.module, process_group=group, **kwargs)
         reducer.register(ddp)
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: state_dict() stays the model's
+
+    def drop(self) -> None:
+        """Forgets this generation's DDP (and with it, its process group)."""
+        object.__setattr__(self, "_ddp", None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._ddp is None:

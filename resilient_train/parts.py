@@ -93,15 +93,15 @@ class Parts:
         for p in self.parts:
             p.on_step_end(state)
 
-    def close(self) -> None:
+    def close(self) -> list[tuple[str, str]]:
+        """Closes every part, the last first; returns ``(part, error)`` for each that failed to close."""
         errors = []
         for p in reversed(self.parts):
             try:
                 p.close()
-            except Exception as e:  # noqa: BLE001  (every part gets closed; the first error is raised after)
-                errors.append(e)
-        if errors:
-            raise errors[0]
+            except Exception as e:  # noqa: BLE001  (every part gets closed; the run's outcome stands)
+                errors.append((type(p).__name__, f"{type(e).__name__}: {e}"))
+        return errors
 
 
 _SECTION_OF = {Phase.HEAL.value: "recovery", Phase.RENDEZVOUS.value: "recovery"}

@@ -14,6 +14,7 @@ in through :mod:`resilient_train.parts`. See docs/design.md.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -154,7 +155,7 @@ class Supervisor:
         self._new_process = True
         self._live: int | None = None if self.env.replacement else state.step
         self._last_exception: tuple[int, str, str] | None = None  # (step, signature, traceback) of the last one
-        self._failure: tuple[BaseException, Any] | None = None
+        self._failure: tuple[str, str, Any] | None = None  # (type name, message, Failure) of the last fault
         self._timings: dict[str, float] = {}
         self._without_progress = 0
         self._stopped: JobStopped | None = None
@@ -175,7 +176,10 @@ class Supervisor:
         finally:
             self._watcher.close()
             destroy_group(self.device)
-            self.parts.close()
+            for part, error in self.parts.close():
+                self.events.emit("part_close_failed", rank=self.env.rank, part=part, error=error[:500])
+                print(f"resilient-train: rank {self.env.rank}: {part} did not close cleanly: {error.splitlines()[0]}",
+                      file=sys.stderr, flush=True)
         if self._stopped is not None:
             self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step,
                              recoveries=self.recoveries, stopped=self._stopped.reason)
@@ -443,6 +447,22 @@ class Supervisor:
         self._live = state.step
         self._publish_local(state.step)
 
+    def _release_group(self) -> None:
+        """Drops every reference to the failed group, then destroys it.
+
+        A gloo group closes its connections only when its last reference goes:
+        while a DDP, a pending reduction or a frame holds it, peers blocked in a
+        collective with this rank wait for the full group timeout instead of
+        failing at once.
+        """
+        for reducer in self.gate.reducers:
+            reducer.reset()
+        for wrapped, _ in self._ddps:
+            wrapped.drop()
+        self.group = None
+        destroy_group(self.device)
+        gc.collect()
+
     def _rebuild_ddp(self, *, first: bool) -> None:
         for i, (wrapped, reducer) in enumerate(self._ddps):
             if reducer is None:
@@ -474,16 +494,18 @@ class Supervisor:
                 return self._stop_job(f"{failure.summary} (raised again when step {step} was replayed)", exc,
                                       first_traceback=last[2])
             self._last_exception = (step, failure.signature, "".join(traceback.format_exception(exc)))
-        self._failure = (exc, failure)
+        # Only text: the exception's frames hold tensors and the failed group's work, which must be freed.
+        self._failure = (type(exc).__name__, str(exc), failure)
         return _S.RECOVERING
 
-    def _stop_job(self, reason: str, exc: BaseException, *, first_traceback: str | None = None,
-                  exit_code: int = exitcodes.STOPPED, show_traceback: bool = True) -> SupervisorState:
+    def _stop_job(self, reason: str, exc: BaseException | None, *, first_traceback: str | None = None,
+                  exit_code: int = exitcodes.STOPPED) -> SupervisorState:
+        """Stops the whole job; the original traceback (if any) and the reason are printed once."""
         stood = request_stop(self.store, {"rank": self.env.rank, "summary": reason, "exit_code": exit_code,
                                           "step": self.ctx.step, "generation": self.generation})
         if stood.get("rank") == self.env.rank and stood.get("summary") == reason:
-            text = first_traceback or "".join(traceback.format_exception(exc))
-            if show_traceback and not isinstance(exc, UsageError):
+            text = first_traceback or ("".join(traceback.format_exception(exc)) if exc is not None else "")
+            if exc is not None and not isinstance(exc, UsageError):
                 sys.stderr.write(text)
             if not self.env.under_agent:  # the agent says it once for the job
                 print(f"resilient-train: rank {self.env.rank} stopped the job: {reason}", file=sys.stderr, flush=True)
@@ -499,33 +521,32 @@ class Supervisor:
 
     def _recover(self) -> SupervisorState:
         assert self._failure is not None
-        exc, failure = self._failure
+        kind, message, failure = self._failure
         self._enter("recovery", self.ctx.step)
         t_detect = time.time()
         g = self.generation
         first = False
         if g >= 0:
-            first = declare_fault(self.store, g, {"rank": self.env.rank, "kind": type(exc).__name__, "time": t_detect,
+            first = declare_fault(self.store, g, {"rank": self.env.rank, "kind": kind, "time": t_detect,
                                                   "step": self.ctx.step, "phase": self.ctx.phase.value,
                                                   **failure.to_dict()})
         cause = read_fault(self.store, g) if g >= 0 else None
         self.recoveries += 1
         self._without_progress += 1
         self.events.emit("fault_detected", rank=self.env.rank, generation=g, step=self.ctx.step,
-                         phase=self.ctx.phase.value, kind=type(exc).__name__, error=str(exc)[:300],
+                         phase=self.ctx.phase.value, kind=kind, error=message[:300],
                          failure=failure.kind.value, first_reporter=first, cause=cause)
         t0 = time.monotonic()
-        destroy_group(self.device)
-        self.group = None
+        self._release_group()
         self._discard_gradients()
         if self._live is not None:
             self._guard.restore()  # a fault before the commit: forward may have changed buffers
         if self.recoveries > self.config.max_recoveries:
             return self._stop_job(f"gave up after {self.config.max_recoveries} recoveries (last: {failure.summary})",
-                                  exc, exit_code=exitcodes.FAILED, show_traceback=False)
+                                  None, exit_code=exitcodes.FAILED)
         if self._without_progress > self.config.max_failed_generations:
             return self._stop_job(f"{self._without_progress} generations in a row failed without completing a step "
-                                  f"(last: {failure.summary})", exc, show_traceback=False)
+                                  f"(last: {failure.summary})", None)
         fault_time = float(cause["time"]) if cause and "time" in cause else t_detect
         self._timings = {"detect_s": max(0.0, t_detect - fault_time), "abort_s": time.monotonic() - t0,
                          "fault_step": float(self.ctx.step)}

@@ -225,3 +225,28 @@ def test_a_slot_read_with_an_impossible_progress_time_is_not_judged(tmp_path) ->
         assert polls[-1][0].since_progress_s >= 0.6
         mm.close()
     rep.close()
+
+
+@pytest.mark.timeout(30)
+def test_ranks_waiting_in_recovery_are_not_killed_for_a_peer_stuck_in_an_old_collective(tmp_path) -> None:
+    """Ranks 0 and 1 joined the next generation; rank 2 still sits in the last one's all-reduce.
+
+    Rank 2 is the one to kill (nothing will come to its collective); the two in recovery wait for it.
+    """
+    from monitors.hang import ranks_to_kill
+    from monitors.progress import ProgressReporter
+
+    run = str(tmp_path)
+    writers = [ProgressReporter(run, r) for r in range(3)]
+    for w in writers:
+        w.enter("forward", 7)
+    writers[0].enter("recovery", 7)
+    writers[1].enter("recovery", 7)
+    writers[2].enter("all-reduce", 7)
+    det = HangDetector(HangConfig(computed=False, default_timeout=1.0, long_section_timeout=1.0), run, range(3))
+    later = max(_frozen_since(run, r) for r in range(3)) + 5.0
+    hangs = {h.rank: h for h in det.poll(later)}
+    assert hangs[2].waiting_on == () and hangs[0].waiting_on == (2,) and hangs[1].waiting_on == (2,)
+    assert ranks_to_kill(list(hangs.values()), det.config.collective_sections) == [2]
+    for w in writers:
+        w.close()
