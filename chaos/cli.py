@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -70,28 +69,14 @@ def _load(name: str, seed: int | None):  # -> Scenario
     return scn
 
 
-def usable_dir(path: str | Path, flag: str) -> Path:
-    """``path`` as a directory this command can write into (created now): ``ValueError`` before any job runs."""
-    p = Path(path)
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".write-test-{os.getpid()}"
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-        probe.unlink()
-    except FileExistsError:
-        raise ValueError(f"{flag} {str(p)!r} exists and is not a directory") from None
-    except OSError as e:
-        raise ValueError(f"{flag} {str(p)!r} is not a writable directory: {e.strerror or e}") from None
-    return p
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     from chaos.reference import default_cache_dir
+    from monitors.safefiles import writable_dir
     from chaos.runner import run_scenario
 
     scn = _load(args.scenario, args.seed)
-    out = usable_dir(args.out or Path("runs") / "chaos" / scn.name, "--out")
-    usable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
+    out = writable_dir(args.out or Path("runs") / "chaos" / scn.name, "--out")
+    writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
     print(f"chaos: {scn.name}: {len(scn.plan())} fault(s) on {scn.job.ranks} ranks, {scn.job.steps} steps", flush=True)
     try:
         result = run_scenario(scn, out_dir=out, cache_dir=args.cache_dir, use_cache=not args.no_cache)
@@ -105,6 +90,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_matrix(args: argparse.Namespace) -> int:
     from chaos.matrix import MatrixConfig, run_matrix
+    from monitors.safefiles import writable_dir
 
     kw = {}
     if args.kinds:
@@ -112,9 +98,9 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
     if args.phases:
         kw["phases"] = tuple(p.strip() for p in args.phases.split(",") if p.strip())
     config = MatrixConfig(quick=args.quick, ranks=args.ranks, **kw)
-    usable_dir(args.out, "--out")
+    writable_dir(args.out, "--out")
     if args.cache_dir:
-        usable_dir(args.cache_dir, "--cache-dir")
+        writable_dir(args.cache_dir, "--cache-dir")
     try:
         result = run_matrix(config, out_dir=args.out, cache_dir=args.cache_dir)
     except RuntimeError as e:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["FILE_MODE", "append_bytes", "create_exclusive", "open_nofollow", "write_atomic"]
+__all__ = ["FILE_MODE", "append_bytes", "create_exclusive", "open_nofollow", "writable_dir", "write_atomic"]
 
 FILE_MODE = 0o644  # the run directory itself is 0o700: its files need no tighter mode to be private
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -73,3 +73,19 @@ def append_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+def writable_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a directory this process can create files in (made now), or ``ValueError`` naming
+    ``what`` (a command-line flag): a path that is a file must fail before any job starts, in one line."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{os.getpid()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))
+        os.unlink(probe)
+    except FileExistsError:
+        raise ValueError(f"{what} {str(p)!r} exists and is not a directory") from None
+    except OSError as e:
+        raise ValueError(f"{what} {str(p)!r} is not a writable directory: {e.strerror or e}") from None
+    return p
