@@ -7,15 +7,15 @@ flight, and the store (hosted by the agent) outlives any rank. Keys, under
 rank 0 once it committed or gave up. Pass a store namespaced by generation
 (e.g. a ``PrefixStore``) so a step saved again after a restart starts clean.
 
-The committer blocks in ``Store.wait``; a TCPStore client serves one request at
-a time, so the coordinator works on its own connection (``Store.clone()``) and
+The committer waits on the store; a TCPStore client serves one request at a
+time, so the coordinator works on its own connection (``Store.clone()``) and
 never stalls the caller's heartbeats or rendezvous on the shared one.
 
 A save that lost a rank can never complete: waiting the full timeout for it
 would freeze checkpointing (every later save skipped) and the job's exit. So
-the waits on other ranks are cut into slices of ``POLL_S`` and, between them,
-ask ``cancelled`` (the runtime's "this generation was declared failed"); once
-it says so, the wait raises :class:`SaveCancelled` at once.
+the waits on other ranks poll the store (at most ``POLL_S`` apart) and, between
+polls, ask ``cancelled`` (the runtime's "this generation was declared failed");
+once it says so, the wait raises :class:`SaveCancelled` at once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable, Union
 
 import torch.distributed as dist
@@ -72,20 +71,22 @@ class StoreCoordinator:
         return c.is_set() if isinstance(c, threading.Event) else bool(c())
 
     def _wait(self, key: str, timeout: float, what: Callable[[], str]) -> None:
-        """Waits for ``key``: ``SaveCancelled`` as soon as the save is cancelled, ``TimeoutError`` past ``timeout``."""
+        """Waits for ``key``: ``SaveCancelled`` as soon as the save is cancelled, ``TimeoutError`` past ``timeout``.
+
+        Polls with ``check`` rather than ``Store.wait`` slices: a TCPStore client logs a warning for every
+        ``wait`` that times out, which would be ten lines a second on the console.
+        """
         assert self._store is not None
         deadline = time.monotonic() + timeout
-        while True:
-            slice_s = max(0.001, min(POLL_S, deadline - time.monotonic()))
-            try:
-                self._store.wait([key], timedelta(seconds=slice_s))
-                return
-            except dist.DistStoreError:  # this slice ran out
-                pass
+        delay = 0.005
+        while not self._store.check([key]):
             if self.is_cancelled():
                 raise SaveCancelled(f"cancelled while waiting for {what()} (a rank was lost: the generation moved)")
-            if time.monotonic() >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise TimeoutError(f"timed out after {timeout:g} s waiting for {what()}")
+            time.sleep(min(delay, remaining))
+            delay = min(2 * delay, POLL_S)
 
     def _key(self, step: int, name: str) -> str:
         return f"{self._prefix}/{step}/{name}"
