@@ -107,7 +107,10 @@ def status_main(argv: list[str], out: TextIO | None = None) -> int:
 
 
 def _status(run: Path, out: TextIO) -> int:
-    events = list(read_events(run / "events.jsonl"))
+    log = run / "events.jsonl"
+    events = list(read_events(log))
+    if not events and log.is_file() and log.stat().st_size > 0:
+        raise ValueError(f"{log} holds no event records ({log.stat().st_size} bytes): not a run's event log")
     kinds: dict[str, list[dict[str, Any]]] = {}
     for e in events:
         kinds.setdefault(str(e.get("event")), []).append(e)
