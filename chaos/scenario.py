@@ -33,6 +33,7 @@ from typing import Any
 
 from chaos.faults import MAX_FAULTS
 from chaos.schedule import FixedSchedule, PlannedFault, RandomSchedule, Schedule
+from monitors import MonitorConfig, max_local_ranks
 from monitors.configfile import (
     check_fields, kind, load_config_file, require_bool, require_int, require_number, require_str,
 )
@@ -56,8 +57,6 @@ class JobSpec:
     checkpoint_dir: str = "checkpoints"  # relative to the run directory: watched for an invalid `latest`
 
     def __post_init__(self) -> None:
-        from monitors import MonitorConfig, max_local_ranks
-
         require_str(self.script, "job.script")
         if not isinstance(self.args, tuple) or not all(isinstance(a, str) for a in self.args):
             raise ValueError("job.args must be a list of strings")
