@@ -79,5 +79,11 @@ def file_sha256(path: Path, *, follow: bool = True) -> tuple[int, str]:
 
 
 def remove_tree(path: Path) -> None:
-    """Deletes a directory tree; a concurrent deletion of the same tree is not an error."""
+    """Deletes a directory tree; a concurrent deletion of the same tree is not an error.
+
+    A symbolic link is removed itself: what it points to is never touched.
+    """
+    if os.path.islink(path):
+        os.unlink(path)
+        return
     shutil.rmtree(path, ignore_errors=True)

@@ -171,3 +171,18 @@ def test_fuzz_manifest_file_on_disk(tmp_path_factory: pytest.TempPathFactory, va
         verify_checkpoint(directory, checksums=False)
     except CheckpointError as e:
         assert "\n" not in str(e)
+
+
+def test_writing_never_goes_through_links_placed_in_the_directory(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("precious")
+    (tmp_path / "final.tmp").symlink_to(victim)  # where write_state stages
+    (tmp_path / "final").symlink_to(victim)  # what it replaces
+    write_state(tmp_path / "final", make_state(1), step=1)
+    assert sorted(p.name for p in victim.iterdir()) == ["keep"] and (victim / "keep").read_text() == "precious"
+    assert not (tmp_path / "final").is_symlink() and read_state(tmp_path / "final")[1].step == 1
+    # The temporaries of an atomic write (here the manifest's) are never written through either.
+    (tmp_path / "final" / f"{MANIFEST_FILE}.tmp").symlink_to(victim / "keep")
+    Manifest.read(tmp_path / "final").write(tmp_path / "final")
+    assert (victim / "keep").read_text() == "precious"
