@@ -23,7 +23,6 @@ directory must belong to one job at a time (``resilient_train.rundir`` locks it)
 from __future__ import annotations
 
 import json
-import os
 import queue
 import sys
 import threading
@@ -43,7 +42,7 @@ from checkpointing.durable import remove_tree
 from checkpointing.errors import DiskFullError, disk_full_error, is_disk_full
 from checkpointing.lifecycle import MANAGER_MOVES, ManagerState, SaveHandle, SavePhase, check_move
 from checkpointing.manifest import MANIFEST_FILE, CheckpointError, Manifest, verify_checkpoint
-from checkpointing.retention import RetentionWorker
+from checkpointing.retention import RetentionWorker, remove_leftovers
 from checkpointing.staging import HostStager
 from checkpointing.state_files import local_prefix, read_verified
 from checkpointing.tree import Skeleton, fill_template, flatten_state
@@ -108,8 +107,10 @@ class CheckpointManager:
         self._inflight: SaveHandle | None = None
         self._last_committed: int | None = None
         self._disk_full: DiskFullError | None = None
-        if rank == 0:
-            self._remove_leftovers()
+        if rank == 0:  # one job per directory (the agent's run-directory lock): nobody else is mid-save
+            removed = remove_leftovers(self.root)
+            if removed:
+                self._events.emit("checkpoint_leftovers_removed", directories=removed, rank=rank)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._committer = threading.Thread(target=self._commit_loop, name=f"ckpt-commit-r{rank}", daemon=True)
         self._committer.start()
@@ -281,29 +282,6 @@ class CheckpointManager:
         """Resume, fallback and a full disk are told on the console too, not only in events.jsonl."""
         if self.config.console and self.rank == 0:
             print(f"resilient-train: {text}", file=sys.stderr, flush=True)
-
-    def _remove_leftovers(self) -> None:
-        """Rank 0 at start: crashed saves' ``step-N.tmp``, half-done deletions, and replaced steps.
-
-        ``step-N.replaced`` is an older commit of step N moved aside just before the new one was
-        renamed into place: without a ``step-N`` it is the only copy, and is put back.
-        """
-        removed = []
-        for child in sorted(self.root.iterdir()) if self.root.is_dir() else []:
-            name = child.name
-            if not name.startswith("step-") or child.is_symlink() or not child.is_dir():
-                continue
-            if name.endswith(".replaced"):
-                original = child.with_name(name[: -len(".replaced")])
-                if not original.exists():
-                    os.rename(child, original)
-                    continue
-            elif not name.endswith((TMP_SUFFIX, ".deleting")):
-                continue
-            remove_tree(child)
-            removed.append(name)
-        if removed:
-            self._events.emit("checkpoint_leftovers_removed", directories=removed, rank=self.rank)
 
     def close(self, timeout: float | None = None) -> None:
         """Waits for the save in flight, stops the committer, retention and writer."""
