@@ -6,7 +6,10 @@ In ranks (imported by the runtime, kept light): :mod:`chaos.faults`, :mod:`chaos
 :mod:`chaos.cli` (``resilient-train chaos``).
 """
 
-from chaos.faults import Fault, FaultKind, Phase, dumps_faults, loads_faults
+from chaos.faults import Fault, FaultKind, Phase, dumps_faults, loads_faults, parse_faults, validate_faults
 from chaos.inject import InjectedFault, Injector
 
-__all__ = ["Fault", "FaultKind", "InjectedFault", "Injector", "Phase", "dumps_faults", "loads_faults"]
+__all__ = [
+    "Fault", "FaultKind", "InjectedFault", "Injector", "Phase", "dumps_faults", "loads_faults", "parse_faults",
+    "validate_faults",
+]

@@ -70,10 +70,13 @@ def _load(name: str, seed: int | None):  # -> Scenario
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from chaos.reference import default_cache_dir
+    from monitors.safefiles import writable_dir
     from chaos.runner import run_scenario
 
     scn = _load(args.scenario, args.seed)
-    out = Path(args.out or Path("runs") / "chaos" / scn.name)
+    out = writable_dir(args.out or Path("runs") / "chaos" / scn.name, "--out")
+    writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
     print(f"chaos: {scn.name}: {len(scn.plan())} fault(s) on {scn.job.ranks} ranks, {scn.job.steps} steps", flush=True)
     try:
         result = run_scenario(scn, out_dir=out, cache_dir=args.cache_dir, use_cache=not args.no_cache)
@@ -87,6 +90,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_matrix(args: argparse.Namespace) -> int:
     from chaos.matrix import MatrixConfig, run_matrix
+    from monitors.safefiles import writable_dir
 
     kw = {}
     if args.kinds:
@@ -94,6 +98,9 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
     if args.phases:
         kw["phases"] = tuple(p.strip() for p in args.phases.split(",") if p.strip())
     config = MatrixConfig(quick=args.quick, ranks=args.ranks, **kw)
+    writable_dir(args.out, "--out")
+    if args.cache_dir:
+        writable_dir(args.cache_dir, "--cache-dir")
     try:
         result = run_matrix(config, out_dir=args.out, cache_dir=args.cache_dir)
     except RuntimeError as e:

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Iterable
 
-__all__ = ["RECOVERY_PHASES", "VALUE_KINDS", "Fault", "FaultKind", "Phase", "dumps_faults", "loads_faults"]
+__all__ = [
+    "MAX_CHAOS_BYTES", "MAX_FAULTS", "RECOVERY_PHASES", "VALUE_KINDS", "Fault", "FaultKind", "Phase", "dumps_faults", "loads_faults",
+    "parse_faults", "validate_faults",
+]
+
+# Faults reach every worker in one environment variable (RT_CHAOS), and Linux caps one environment
+# string at 128 KiB (MAX_ARG_STRLEN): past it every spawn fails with E2BIG. A fault is about 100 bytes.
+MAX_CHAOS_BYTES = 100_000
+MAX_FAULTS = 1000
 
 
 class FaultKind(str, Enum):
@@ -62,10 +71,18 @@ class Fault:
     duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", FaultKind(self.kind))
-        object.__setattr__(self, "phase", Phase(self.phase))
-        if self.rank < 0:
-            raise ValueError(f"fault rank must be >= 0, got {self.rank}")
+        object.__setattr__(self, "kind", _member(FaultKind, self.kind, "kind"))
+        object.__setattr__(self, "phase", _member(Phase, self.phase, "phase"))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {self.rank!r}")
+        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0):
+            raise ValueError(f"step must be an integer >= 0 or null, got {self.step!r}")
+        for name in ("not_before", "duration_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v < 0 or (name == "duration_s" and v == 0)):
+                raise ValueError(f"{name} must be a finite number {'> 0' if name == 'duration_s' else '>= 0'} "
+                                 f"or null, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -78,7 +95,63 @@ def dumps_faults(faults: Iterable[Fault]) -> str:
 
 
 def loads_faults(text: str) -> list[Fault]:
-    data = json.loads(text) if text else []
+    """The faults of a JSON list (``dumps_faults``); ``ValueError`` with a one-line reason otherwise."""
+    if len(text) > MAX_CHAOS_BYTES:
+        raise ValueError(f"{len(text)} bytes of faults; at most {MAX_CHAOS_BYTES} (they travel to every worker in "
+                         "one environment variable, which Linux caps at 128 KiB)")
+    try:
+        data = json.loads(text) if text.strip() else []
+    except RecursionError:
+        raise ValueError("not valid JSON: nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
     if not isinstance(data, list):
-        raise ValueError("faults must be a JSON list")
-    return [Fault(**d) for d in data]
+        raise ValueError(f"faults must be a JSON list of objects, got {type(data).__name__}")
+    if len(data) > MAX_FAULTS:
+        raise ValueError(f"{len(data)} faults; at most {MAX_FAULTS} (they travel to every worker in one "
+                         "environment variable, which Linux caps at 128 KiB)")
+    known = {f.name for f in fields(Fault)}
+    out = []
+    for i, d in enumerate(data):
+        if not isinstance(d, dict):
+            raise ValueError(f"fault {i}: must be an object, got {type(d).__name__}")
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"fault {i}: unknown field(s) {unknown}; expected some of {sorted(known)}")
+        missing = [k for k in ("kind", "rank", "phase") if k not in d]
+        if missing:
+            raise ValueError(f"fault {i}: missing {', '.join(missing)}")
+        try:
+            out.append(Fault(**d))
+        except ValueError as e:
+            raise ValueError(f"fault {i}: {e}") from None
+    return out
+
+
+def validate_faults(faults: list[Fault], world_size: int) -> None:
+    """Faults a job of ``world_size`` ranks can fire: every rank exists, and the list fits in a worker's
+    environment. ``ValueError`` naming the first one that does not."""
+    if len(faults) > MAX_FAULTS:
+        raise ValueError(f"{len(faults)} faults; at most {MAX_FAULTS} (they travel to every worker in one "
+                         "environment variable, which Linux caps at 128 KiB)")
+    for i, f in enumerate(faults):
+        if f.rank >= world_size:
+            raise ValueError(f"fault {i} ({f.kind.value} at {f.phase.value}): rank {f.rank} does not exist in a job "
+                             f"of {world_size} rank(s)")
+    size = len(dumps_faults(faults))
+    if size > MAX_CHAOS_BYTES:
+        raise ValueError(f"the faults take {size} bytes; at most {MAX_CHAOS_BYTES} fit in a worker's environment")
+
+
+def parse_faults(text: str, world_size: int) -> list[Fault]:
+    """``loads_faults`` then ``validate_faults``: what ``run --chaos`` checks before any worker starts."""
+    faults = loads_faults(text)
+    validate_faults(faults, world_size)
+    return faults
+
+
+def _member(enum: type[Enum], value: Any, what: str) -> Any:
+    try:
+        return enum(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(m.value for m in enum)}") from None

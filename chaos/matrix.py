@@ -18,6 +18,7 @@ from chaos.runner import ScenarioResult, run_scenario
 from chaos.scenario import Invariants, JobSpec, Scenario
 from chaos.schedule import CORRUPT_CKPT, DRIVER_KINDS, FixedSchedule, PlannedFault, all_kinds
 from chaos.faults import VALUE_KINDS as _VALUE_KINDS, Phase
+from monitors import max_local_ranks
 
 __all__ = ["MatrixConfig", "MatrixResult", "run_matrix"]
 
@@ -78,6 +79,8 @@ class MatrixConfig:
                 raise ValueError(f"matrix: unknown phase {p!r}; expected some of {', '.join(ph.value for ph in Phase)}")
         if self.ranks < 2:
             raise ValueError("matrix: at least 2 ranks (a fault needs a survivor)")
+        if self.ranks > max_local_ranks():
+            raise ValueError(f"matrix: at most {max_local_ranks()} ranks on this node (4 per CPU core)")
         if self.faults_per_job < 2:
             raise ValueError("matrix: faults_per_job must be >= 2 (a fault in 'heal' needs another fault first)")
 

@@ -14,7 +14,13 @@
     invariants: {detect_timeout_s: 20, max_steps_redone: 1}
     timeout_s: 300
 
-Every mistake raises ``ValueError`` naming the file and the field.
+Every mistake raises ``ValueError`` naming the file and the field: the file is
+read by ``monitors.configfile`` (plain YAML, no anchors or aliases, bounded in
+size and depth), and every value is type- and range-checked, so a scenario that
+loads is one the runner can run and time out. Limits: ``job.ranks`` at most
+``monitors.max_local_ranks()`` (the agent's own limit on this node), at most
+``chaos.faults.MAX_FAULTS`` faults (they travel to the workers in one
+environment variable), ``timeout_s`` at most a week.
 """
 
 from __future__ import annotations
@@ -25,11 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from chaos.faults import MAX_FAULTS
 from chaos.schedule import FixedSchedule, PlannedFault, RandomSchedule, Schedule
+from monitors import MonitorConfig, max_local_ranks
+from monitors.configfile import (
+    check_fields, kind, load_config_file, require_bool, require_int, require_number, require_str,
+)
 
-__all__ = ["Invariants", "JobSpec", "Scenario", "load_scenario", "scenario_from_dict"]
+__all__ = ["MAX_TIMEOUT_S", "Invariants", "JobSpec", "Scenario", "load_scenario", "scenario_from_dict"]
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a scenario is a test: a week is past any that makes sense
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,10 +57,30 @@ class JobSpec:
     checkpoint_dir: str = "checkpoints"  # relative to the run directory: watched for an invalid `latest`
 
     def __post_init__(self) -> None:
-        if self.ranks < 1:
-            raise ValueError(f"job.ranks must be >= 1, got {self.ranks}")
-        if self.steps < 1:
-            raise ValueError(f"job.steps must be >= 1, got {self.steps}")
+        require_str(self.script, "job.script")
+        if not isinstance(self.args, tuple) or not all(isinstance(a, str) for a in self.args):
+            raise ValueError("job.args must be a list of strings")
+        limit = max_local_ranks()
+        require_int(self.ranks, "job.ranks", low=1)
+        if self.ranks > limit:
+            raise ValueError(f"job.ranks {self.ranks}: at most {limit} on this node (monitors.max_local_ranks: "
+                             f"4 per CPU core)")
+        require_int(self.steps, "job.steps", low=1)
+        require_str(self.steps_arg, "job.steps_arg", allow_none=True)
+        if not isinstance(self.monitor, dict):
+            raise ValueError(f"job.monitor must be a mapping, got {kind(self.monitor)}")
+        try:
+            MonitorConfig.from_dict(self.monitor)  # the same checks as `run --monitor-config`
+        except ValueError as e:
+            raise ValueError(f"job.monitor: {e}") from None
+        if not isinstance(self.env, dict) or not all(
+                isinstance(k, str) and k and "=" not in k and "\0" not in k and isinstance(v, str) and "\0" not in v
+                for k, v in self.env.items()):
+            raise ValueError("job.env must map variable names to strings")
+        if self.max_restarts is not None:
+            require_int(self.max_restarts, "job.max_restarts", low=0, high=10**6)
+        require_bool(self.spare, "job.spare")
+        require_str(self.checkpoint_dir, "job.checkpoint_dir")
         if not Path(self.script).is_file():
             raise ValueError(f"job.script {self.script!r} does not exist")
 
@@ -70,11 +101,12 @@ class Invariants:
     min_faults: int = 0  # at least this many faults must have fired
 
     def __post_init__(self) -> None:
+        for name in ("completes", "bitwise", "valid_latest", "recovered"):
+            require_bool(getattr(self, name), f"invariants.{name}")
         for name in ("detect_timeout_s", "recover_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"invariants.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_steps_redone < 0 or self.min_faults < 0:
-            raise ValueError("invariants.max_steps_redone and invariants.min_faults must be >= 0")
+            require_number(getattr(self, name), f"invariants.{name}", above=0, high=MAX_TIMEOUT_S)
+        require_int(self.max_steps_redone, "invariants.max_steps_redone", low=0)
+        require_int(self.min_faults, "invariants.min_faults", low=0, high=MAX_FAULTS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,12 +127,7 @@ class Scenario:
 
 def load_scenario(path: str | os.PathLike[str]) -> Scenario:
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"scenario file {str(p)!r} does not exist") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"scenario {str(p)!r}: not valid YAML: {str(e).splitlines()[0]}") from None
+    data = load_config_file(p, "scenario")  # names the file in its own errors
     try:
         return scenario_from_dict(data, base=p.parent, default_name=p.stem)
     except ValueError as e:
@@ -109,50 +136,58 @@ def load_scenario(path: str | os.PathLike[str]) -> Scenario:
 
 def scenario_from_dict(data: Any, *, base: Path | None = None, default_name: str = "scenario") -> Scenario:
     """A scenario from plain data; relative script paths resolve against ``base``, then the working directory."""
-    _mapping(data, "the scenario")
-    _known(data, {"name", "description", "job", "schedule", "invariants", "timeout_s"}, "the scenario")
+    check_fields(data, {"name", "description", "job", "schedule", "invariants", "timeout_s"}, "the scenario")
     for required in ("job", "schedule"):
         if required not in data:
             raise ValueError(f"missing section {required!r}")
+    name = require_str(data.get("name", default_name), "name", max_len=100)
+    if not name or name in (".", "..") or "/" in name:  # it names the default report directory
+        raise ValueError(f"name must be a plain name (no '/'), got {name!r}")
+    description = require_str(data.get("description", ""), "description", max_len=10_000)
     job = _job(data["job"], base)
     schedule = _schedule(data["schedule"], job.ranks)
-    inv = _build(Invariants, data.get("invariants") or {}, "invariants")
-    timeout = float(data.get("timeout_s", 600.0))
-    if timeout <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout}")
-    scenario = Scenario(name=str(data.get("name", default_name)), job=job, schedule=schedule, invariants=inv,
-                        timeout_s=timeout, description=str(data.get("description", "")))
-    scenario.plan()  # a schedule that does not fit the job is an error now, not mid-run
+    inv = _build(Invariants, _optional_mapping(data.get("invariants"), "invariants"), "invariants")
+    timeout = require_number(data.get("timeout_s", 600.0), "timeout_s", above=0, high=MAX_TIMEOUT_S)
+    scenario = Scenario(name=name, job=job, schedule=schedule, invariants=inv, timeout_s=float(timeout),
+                        description=description)
+    planned = scenario.plan()  # a schedule that does not fit the job is an error now, not mid-run
+    n = sum(1 if f.driver else len(f.ranks) for f in planned)
+    if n > MAX_FAULTS:
+        raise ValueError(f"schedule: {n} faults; at most {MAX_FAULTS} (they travel to every worker in one "
+                         "environment variable, which Linux caps at 128 KiB)")
     return scenario
 
 
 def _job(data: Any, base: Path | None) -> JobSpec:
-    _mapping(data, "job")
-    d = dict(data)
+    d = dict(check_fields(data, {f.name for f in dataclasses.fields(JobSpec)}, "job"))
     if "script" not in d:
         raise ValueError("job.script is required")
-    script = Path(str(d["script"]))
+    script = Path(require_str(d["script"], "job.script"))  # type: ignore[arg-type]
     if not script.is_absolute() and base is not None and (base / script).is_file():
         script = base / script
     d["script"] = str(script.resolve())
-    if not isinstance(d.get("args", []), list):
-        raise ValueError("job.args must be a list of strings")
-    d["args"] = tuple(str(a) for a in d.get("args", []))
-    for name in ("monitor", "env"):
-        if name in d:
-            _mapping(d[name], f"job.{name}")
+    args = d.get("args", [])
+    if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
+                                             for a in args):
+        raise ValueError("job.args must be a list of strings (or numbers)")
+    d["args"] = tuple(str(a) for a in args)
+    if "monitor" in d:
+        d["monitor"] = _optional_mapping(d["monitor"], "job.monitor")
     if "env" in d:
-        d["env"] = {str(k): str(v) for k, v in d["env"].items()}
+        env = _optional_mapping(d["env"], "job.env")
+        for k, v in env.items():
+            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+                raise ValueError(f"job.env.{k} must be a string, got {kind(v)}")
+        d["env"] = {str(k): str(v) for k, v in env.items()}
     return _build(JobSpec, d, "job")
 
 
 def _schedule(data: Any, world_size: int) -> Schedule:
-    _mapping(data, "schedule")
-    _known(data, {"faults", "random"}, "schedule")
+    check_fields(data, {"faults", "random"}, "schedule")
     if ("faults" in data) == ("random" in data):
         raise ValueError("schedule: give exactly one of 'faults' (a fixed list) and 'random'")
     if "random" in data:
-        r = dict(data["random"] or {})
+        r = dict(_optional_mapping(data["random"], "schedule.random"))
         for name in ("kinds", "phases", "ranks"):
             if name in r:
                 if not isinstance(r[name], list):
@@ -160,11 +195,14 @@ def _schedule(data: Any, world_size: int) -> Schedule:
                 r[name] = tuple(r[name])
         return _build(RandomSchedule, r, "schedule.random")
     if not isinstance(data["faults"], list):
-        raise ValueError("schedule.faults must be a list")
+        raise ValueError(f"schedule.faults must be a list, got {kind(data['faults'])}")
+    if len(data["faults"]) > MAX_FAULTS:
+        raise ValueError(f"schedule.faults: {len(data['faults'])} faults; at most {MAX_FAULTS} (they travel to "
+                         "every worker in one environment variable, which Linux caps at 128 KiB)")
     faults = []
     for i, f in enumerate(data["faults"]):
-        _mapping(f, f"schedule.faults[{i}]")
-        f = dict(f)
+        f = dict(check_fields(f, {x.name for x in dataclasses.fields(PlannedFault)} | {"rank"},
+                              f"schedule.faults[{i}]"))
         rank = f.pop("rank", f.pop("ranks", 0))
         if rank == "all":
             rank = list(range(world_size))
@@ -177,20 +215,20 @@ def _schedule(data: Any, world_size: int) -> Schedule:
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    _known(data, names, where)
+    check_fields(data, {f.name for f in dataclasses.fields(cls)}, where)
     try:
         return cls(**data)
     except TypeError as e:
         raise ValueError(f"{where}: {e}") from None
 
 
-def _mapping(data: Any, where: str) -> None:
+def _optional_mapping(data: Any, where: str) -> dict[str, Any]:
+    """A mapping with string keys; null is an empty one."""
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
-
-
-def _known(data: dict[str, Any], names: set[str], where: str) -> None:
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; expected some of {sorted(names)}")
+        raise ValueError(f"{where} must be a mapping, got {kind(data)}")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"{where}: field names must be strings, got {bad[0]!r}")
+    return data

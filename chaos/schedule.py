@@ -13,7 +13,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from chaos.faults import RECOVERY_PHASES, Fault, FaultKind, Phase
+from chaos.faults import MAX_FAULTS, RECOVERY_PHASES, Fault, FaultKind, Phase
+from monitors.configfile import require_int, require_number
 
 __all__ = [
     "DRIVER_KINDS",
@@ -51,10 +52,21 @@ class PlannedFault:
     recover_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in all_kinds():
+        if not isinstance(self.kind, str) or self.kind not in all_kinds():
             raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {', '.join(all_kinds())}")
-        if not self.ranks or any(not isinstance(r, int) or r < 0 for r in self.ranks):
-            raise ValueError(f"fault {self.kind!r}: ranks must be non-negative integers, got {list(self.ranks)}")
+        if not isinstance(self.ranks, tuple) or not self.ranks or any(
+                isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.ranks):
+            raise ValueError(f"fault {self.kind!r}: ranks must be non-negative integers, got {self.ranks!r}")
+        if self.phase is not None and not isinstance(self.phase, str):
+            _bad_phase(self.phase)
+        if self.step is not None:
+            require_int(self.step, f"fault {self.kind!r}: step")
+        for name in ("at_s", "duration_s", "detect_timeout_s", "recover_timeout_s"):
+            if getattr(self, name) is not None:
+                require_number(getattr(self, name), f"fault {self.kind!r}: {name}")
+        for name in ("detect_timeout_s", "recover_timeout_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"fault {self.kind!r}: {name} must be > 0, got {getattr(self, name)}")
         if self.driver:
             if self.step is None and self.at_s is None:
                 raise ValueError(f"fault {self.kind!r} is fired by the runner: give it a step or an at_s")
@@ -140,19 +152,30 @@ class RandomSchedule:
     ranks: tuple[int, ...] | None = None  # targets to draw from (default: every rank)
 
     def __post_init__(self) -> None:
+        require_int(self.seed, "random schedule: seed")
         if (self.mtbf_steps is None) == (self.mtbf_s is None):
             raise ValueError("random schedule: give exactly one of mtbf_steps and mtbf_s")
-        if (self.mtbf_steps or self.mtbf_s or 0) <= 0:
-            raise ValueError("random schedule: the mean time between faults must be > 0")
-        if self.count < 1:
-            raise ValueError(f"random schedule: count must be >= 1, got {self.count}")
+        mean = self.mtbf_steps if self.mtbf_steps is not None else self.mtbf_s
+        require_number(mean, "random schedule: the mean time between faults (mtbf_steps or mtbf_s)", above=0)
+        require_int(self.count, "random schedule: count", low=1)
+        if self.count > MAX_FAULTS:
+            raise ValueError(f"random schedule: count {self.count}; at most {MAX_FAULTS} (faults travel to every "
+                             "worker in one environment variable, which Linux caps at 128 KiB)")
+        require_number(self.start, "random schedule: start", low=0)
+        if self.duration_s is not None:
+            require_number(self.duration_s, "random schedule: duration_s", above=0)
+        if not isinstance(self.kinds, tuple) or not isinstance(self.phases, tuple):
+            raise ValueError("random schedule: kinds and phases must be lists")
         for k in self.kinds:
             PlannedFault(kind=k, phase=STEP_PHASES[0], step=0)  # validates the kind
         if not self.kinds or not self.phases:
             raise ValueError("random schedule: kinds and phases must not be empty")
         for p in self.phases:
-            if p not in {ph.value for ph in Phase}:
+            if not isinstance(p, str) or p not in {ph.value for ph in Phase}:
                 _bad_phase(p)
+        if self.ranks is not None and (not isinstance(self.ranks, tuple) or any(
+                isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.ranks)):
+            raise ValueError(f"random schedule: ranks must be a list of non-negative integers, got {self.ranks!r}")
 
     def plan(self, *, world_size: int, steps: int) -> list[PlannedFault]:
         rng = random.Random(self.seed)

@@ -11,9 +11,14 @@ from chaos.schedule import PlannedFault
 
 __all__ = ["FaultTimeline", "Progress", "build_timelines", "progress"]
 
-_DETECTIONS = ("fault_detected", "hang_detected", "rerun_rejected")
+# A fault is detected by the first event that acts on it: a rank's or the agent's ``fault_detected``
+# (recovery starts) or the rerun machine's rejection. A ``hang_detected`` report is not one: a peer
+# waiting in a collective on the hung rank is reported long before, and nobody acts on it.
+_DETECTIONS = ("fault_detected", "rerun_rejected")
 # Kinds that only a particular event detects (a corrupt checkpoint: when a load verifies it).
 _DETECTED_BY = {"corrupt-ckpt": ("checkpoint_invalid",)}
+# A stopped or stuck rank is detected when the agent kills it: the agent's fault_detected for that rank.
+_HANG_KINDS = frozenset({"hang", "spin", "block"})
 _VALUE_KINDS = ("nan", "bitflip", "spike")  # judged by the rerun state machine, mostly without a new generation
 
 
@@ -108,8 +113,7 @@ def _follow(tl: FaultTimeline, f: PlannedFault, events: list[dict[str, Any]], en
         if tl.recovered is None:  # the run finished while the fault lasted
             tl.recovered = _first_time(events, lambda e: e["event"] == "final_state_written", after=t0)
         return
-    names = _DETECTED_BY.get(f.kind, _DETECTIONS)
-    det = next((e for e in events if e["time"] >= t0 and e["event"] in names), None)
+    det = next((e for e in events if e["time"] >= t0 and _acts_on(e, f)), None)
     if det is None:
         return
     tl.detected, tl.detected_by = det["time"], f"{det.get('source', '?')} ({det['event']})"
@@ -134,6 +138,14 @@ def _follow(tl: FaultTimeline, f: PlannedFault, events: list[dict[str, Any]], en
     redone += [max(0, (tl.step or 0) - int(e["step"])) for e in events
                if e["event"] == "resumed_from_disk" and e.get("generation") == g]
     tl.steps_redone = max(redone) if redone else 0
+
+
+def _acts_on(e: dict[str, Any], f: PlannedFault) -> bool:
+    if f.kind in _DETECTED_BY:
+        return e["event"] in _DETECTED_BY[f.kind]
+    if f.kind in _HANG_KINDS:
+        return e["event"] == "fault_detected" and e.get("source") == "agent" and e.get("rank") in f.ranks
+    return e["event"] in _DETECTIONS
 
 
 def _first_time(events: list[dict[str, Any]], pred: Any, after: float = float("-inf")) -> float | None:

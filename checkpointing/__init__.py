@@ -6,6 +6,7 @@ Many ranks, asynchronous: :class:`CheckpointManager` with :class:`CheckpointConf
 
 from checkpointing.config import AsyncMode, CheckpointConfig, InFlightPolicy
 from checkpointing.diff import diff_states
+from checkpointing.errors import EXIT_DISK_FULL, DiskFullError, is_disk_full
 from checkpointing.lifecycle import SaveHandle, SavePhase
 from checkpointing.manager import CheckpointManager, NoCheckpointError
 from checkpointing.manifest import CheckpointError, Manifest, verify_checkpoint
@@ -16,12 +17,15 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointError",
     "CheckpointManager",
+    "DiskFullError",
+    "EXIT_DISK_FULL",
     "InFlightPolicy",
     "Manifest",
     "NoCheckpointError",
     "SaveHandle",
     "SavePhase",
     "diff_states",
+    "is_disk_full",
     "read_state",
     "verify_checkpoint",
     "write_state",

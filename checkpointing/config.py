@@ -41,6 +41,7 @@ class CheckpointConfig:
     run_id: str | None = None  # written into manifests; loading rejects other runs' manifests when set
     timeout_s: float = 600.0  # bound on every wait of a save: writer, peers, commit
     store_prefix: str = "ckpt"
+    console: bool = True  # rank 0 tells resume, fallback and a full disk on stderr too (not only in events)
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
@@ -61,8 +62,9 @@ class CheckpointConfig:
                 raise ValueError(f"CheckpointConfig.{name} must be an int >= 0, got {getattr(self, name)!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 1:
             raise ValueError(f"CheckpointConfig.keep_last must be an int >= 1, got {self.keep_last!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"CheckpointConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0 \
+                or self.timeout_s == float("inf"):
+            raise ValueError(f"CheckpointConfig.timeout_s must be a finite number > 0, got {self.timeout_s!r}")
         self.local_keys = tuple(self.local_keys)
         if not all(isinstance(k, str) and k for k in self.local_keys):
             raise ValueError(f"CheckpointConfig.local_keys must be non-empty strings, got {self.local_keys!r}")

@@ -7,37 +7,86 @@ flight, and the store (hosted by the agent) outlives any rank. Keys, under
 rank 0 once it committed or gave up. Pass a store namespaced by generation
 (e.g. a ``PrefixStore``) so a step saved again after a restart starts clean.
 
-The committer blocks in ``Store.wait``; a TCPStore client serves one request at
-a time, so the coordinator works on its own connection (``Store.clone()``) and
+The committer waits on the store; a TCPStore client serves one request at a
+time, so the coordinator works on its own connection (``Store.clone()``) and
 never stalls the caller's heartbeats or rendezvous on the shared one.
+
+A save that lost a rank can never complete: waiting the full timeout for it
+would freeze checkpointing (every later save skipped) and the job's exit. So
+the waits on other ranks poll the store (at most ``POLL_S`` apart) and, between
+polls, ask ``cancelled`` (the runtime's "this generation was declared failed");
+once it says so, the wait raises :class:`SaveCancelled` at once.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import timedelta
-from typing import Any
+import threading
+import time
+from typing import Any, Callable, Union
 
 import torch.distributed as dist
 
-__all__ = ["Report", "StoreCoordinator"]
+__all__ = ["POLL_S", "Cancelled", "Report", "SaveCancelled", "StoreCoordinator"]
 
-Report = dict[str, Any]  # {"files": {...}, "local_tree": {...}} or {"error": "..."}
+Report = dict[str, Any]  # {"files": {...}, "local_tree": {...}} or {"error": "...", "disk_full": bool}
+Cancelled = Union[Callable[[], bool], threading.Event]
+POLL_S = 0.1  # how often a wait on other ranks asks whether the save was cancelled
+
+
+class SaveCancelled(RuntimeError):
+    """The caller's ``cancelled`` said the save cannot complete (a rank was lost)."""
 
 
 class StoreCoordinator:
-    def __init__(self, store: dist.Store | None, *, rank: int, world_size: int, prefix: str) -> None:
+    """One generation's view: the store the save's keys live in, and its ``cancelled`` predicate.
+
+    Immutable: a save keeps the coordinator it was requested under, so a save still in flight
+    when the next generation begins finishes (or is cancelled) on its own generation's keys.
+    """
+
+    def __init__(
+        self, store: dist.Store | None, *, rank: int, world_size: int, prefix: str, cancelled: Cancelled | None = None,
+    ) -> None:
         if store is None and world_size > 1:
             raise ValueError("CheckpointManager: world_size > 1 needs a store to coordinate commits")
+        if cancelled is not None and not (callable(cancelled) or isinstance(cancelled, threading.Event)):
+            raise ValueError(f"CheckpointManager: cancelled must be a callable or a threading.Event, got {cancelled!r}")
         self._store = _own_connection(store)
         self._rank = rank
         self._world = world_size
         self._prefix = prefix
+        self._cancelled = cancelled
         self._local: dict[int, Report] = {}
-        self._outcome: dict[int, dict[str, Any]] = {}
 
-    def set_store(self, store: dist.Store) -> None:
-        self._store = _own_connection(store)
+    def rebound(self, store: dist.Store, cancelled: Cancelled | None) -> StoreCoordinator:
+        """The coordinator for later saves (e.g. the next generation's prefix store)."""
+        return StoreCoordinator(store, rank=self._rank, world_size=self._world, prefix=self._prefix,
+                                cancelled=cancelled)
+
+    def is_cancelled(self) -> bool:
+        c = self._cancelled
+        if c is None:
+            return False
+        return c.is_set() if isinstance(c, threading.Event) else bool(c())
+
+    def _wait(self, key: str, timeout: float, what: Callable[[], str]) -> None:
+        """Waits for ``key``: ``SaveCancelled`` as soon as the save is cancelled, ``TimeoutError`` past ``timeout``.
+
+        Polls with ``check`` rather than ``Store.wait`` slices: a TCPStore client logs a warning for every
+        ``wait`` that times out, which would be ten lines a second on the console.
+        """
+        assert self._store is not None
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while not self._store.check([key]):
+            if self.is_cancelled():
+                raise SaveCancelled(f"cancelled while waiting for {what()} (a rank was lost: the generation moved)")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"timed out after {timeout:g} s waiting for {what()}")
+            time.sleep(min(delay, remaining))
+            delay = min(2 * delay, POLL_S)
 
     def _key(self, step: int, name: str) -> str:
         return f"{self._prefix}/{step}/{name}"
@@ -54,26 +103,24 @@ class StoreCoordinator:
         """Rank 0: every rank's report; ``TimeoutError`` when some rank never reported."""
         if self._store is None:
             return {0: self._local.pop(step)}
-        try:
-            self._store.wait([self._key(step, "all")], timedelta(seconds=timeout))
-        except dist.DistStoreError as e:
-            arrived = self._store.add(self._key(step, "arrived"), 0)
-            raise TimeoutError(f"only {arrived} of {self._world} ranks finished writing step {step}: {e}") from None
+
+        def what() -> str:
+            arrived = self._store.add(self._key(step, "arrived"), 0)  # type: ignore[union-attr]
+            return f"every rank to finish writing step {step} ({arrived} of {self._world} did)"
+
+        self._wait(self._key(step, "all"), timeout, what)
         return {r: json.loads(self._store.get(self._key(step, f"rank/{r}"))) for r in range(self._world)}
 
-    def announce(self, step: int, *, ok: bool, reason: str | None = None) -> None:
+    def announce(self, step: int, *, ok: bool, reason: str | None = None, disk_full: bool = False) -> None:
         if self._store is None:
             return
-        self._store.set(self._key(step, "outcome"), json.dumps({"ok": ok, "reason": reason}))
+        self._store.set(self._key(step, "outcome"), json.dumps({"ok": ok, "reason": reason, "disk_full": disk_full}))
 
     def outcome(self, step: int, timeout: float) -> dict[str, Any]:
         """Other ranks: rank 0's verdict on the step; ``TimeoutError`` when none came."""
         if self._store is None:
             return {"ok": True, "reason": None}
-        try:
-            self._store.wait([self._key(step, "outcome")], timedelta(seconds=timeout))
-        except dist.DistStoreError as e:
-            raise TimeoutError(f"no commit verdict for step {step} from rank 0: {e}") from None
+        self._wait(self._key(step, "outcome"), timeout, lambda: f"rank 0's commit verdict on step {step}")
         return json.loads(self._store.get(self._key(step, "outcome")))
 
 

@@ -24,7 +24,9 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpointing.durable import fsync_dir
+from checkpointing.errors import disk_full_error
 from checkpointing.manifest import CheckpointError
+from monitors.safefiles import create_exclusive
 
 __all__ = [
     "METADATA_FILE",
@@ -124,14 +126,26 @@ def write_shard(
     *,
     wrap_stream: Callable[[Any], Any] | None = None,
 ) -> list[str]:
-    """Writes this rank's tensors (fsync'd) into ``directory``; returns the file names written."""
+    """Writes this rank's tensors (fsync'd) into ``directory``; returns the file names written.
+
+    Raises :class:`~checkpointing.errors.DiskFullError` when the filesystem ran out of space.
+    """
     directory.mkdir(parents=True, exist_ok=True)
+    for name in (f"__{rank}_0.distcp", metadata_piece_name(rank)):
+        # DCP opens its files by name and follows links: a link left where this rank writes would
+        # have the shard written over the link's target.
+        if (directory / name).is_symlink():
+            (directory / name).unlink()
     writer = _RankWriter(directory, rank, wrap_stream)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
     except CheckpointException as e:  # a BaseException in DCP: turn it into an ordinary error
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        full = disk_full_error(directory, e, needed=needed, what=f"writing the shard of rank {rank}")
+        if full is not None:
+            raise full from None
         raise OSError(f"writing the shard of rank {rank} failed: {_last_line(e)}") from None
     piece = metadata_piece_name(rank)
     md = load_metadata(directory / piece)
@@ -158,7 +172,8 @@ def merge_metadata_pieces(directory: Path, ranks: list[int]) -> None:
     if merged.storage_meta is not None:
         merged.storage_meta.checkpoint_id = None
     tmp = directory / (METADATA_FILE + ".tmp")
-    with open(tmp, "wb") as f:
+    fd = create_exclusive(tmp)
+    with os.fdopen(fd, "wb") as f:
         pickle.dump(merged, f)
         f.flush()
         os.fsync(f.fileno())
@@ -177,15 +192,22 @@ class _SafeReader(FileSystemReader):
         return md
 
 
-def read_tensors(directory: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Reads the named tensors of a (verified) checkpoint directory into fresh CPU tensors."""
+def read_tensors(directory: Path, keys: list[str], files: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+    """Reads the named tensors of a (verified) checkpoint directory into fresh CPU tensors.
+
+    ``files`` (name -> size, from the verified manifest) bounds what the metadata may claim: every
+    tensor's data must lie in those files and fit in the bytes stored for it, checked before
+    anything is allocated (a forged ``.metadata`` must not ask for 2**40 elements).
+    """
     md = load_metadata(directory / METADATA_FILE)
+    stored = _stored_bytes(directory, md, files)
     template: dict[str, torch.Tensor] = {}
     for key in keys:
         entry = md.state_dict_metadata.get(key)
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
             raise CheckpointError(directory, METADATA_FILE, f"no tensor entry for {key!r}")
-        template[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        size, dtype = _checked_shape(directory, key, entry, stored.get(key, 0))
+        template[key] = torch.empty(size, dtype=dtype)
     if template:
         try:
             with warnings.catch_warnings():
@@ -194,6 +216,46 @@ def read_tensors(directory: Path, keys: list[str]) -> dict[str, torch.Tensor]:
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             raise CheckpointError(directory, None, f"tensor data unreadable: {_last_line(e)}") from None
     return template
+
+
+_MAX_DIMS = 64
+
+
+def _stored_bytes(directory: Path, md: dcp_metadata.Metadata, files: dict[str, int] | None) -> dict[str, int]:
+    """Bytes stored per tensor key; every storage item must lie inside a listed file."""
+    out: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        name, offset, length = getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(name, str) or not isinstance(offset, int) or not isinstance(length, int):
+            raise CheckpointError(directory, METADATA_FILE, f"malformed storage entry for {getattr(index, 'fqn', '?')!r}")
+        if files is not None:
+            if name not in files:
+                raise CheckpointError(directory, METADATA_FILE, f"refers to {name!r}, which the manifest does not list")
+            if offset < 0 or length < 0 or offset + length > files[name]:
+                raise CheckpointError(directory, METADATA_FILE, f"storage entry {offset}+{length} lies outside {name!r}")
+        fqn = getattr(index, "fqn", None)
+        if isinstance(fqn, str):
+            out[fqn] = out.get(fqn, 0) + length
+    return out
+
+
+def _checked_shape(
+    directory: Path, key: str, entry: dcp_metadata.TensorStorageMetadata, stored: int
+) -> tuple[list[int], torch.dtype]:
+    size, dtype = entry.size, getattr(entry.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(directory, METADATA_FILE, f"{key!r}: not a tensor dtype: {dtype!r}")
+    dims = list(size) if isinstance(size, (tuple, list)) else None
+    if dims is None or len(dims) > _MAX_DIMS or not all(isinstance(d, int) and d >= 0 for d in dims):
+        raise CheckpointError(directory, METADATA_FILE, f"{key!r}: malformed shape {size!r}")
+    numel = 1
+    for d in dims:
+        numel *= d
+    nbytes = numel * dtype.itemsize
+    if nbytes > stored:
+        raise CheckpointError(directory, METADATA_FILE, f"{key!r}: shape {dims} needs {nbytes} bytes, "
+                              f"{stored} are stored for it")
+    return dims, dtype
 
 
 def _last_line(e: BaseException) -> str:

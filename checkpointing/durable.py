@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from monitors.safefiles import create_exclusive
+
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "atomic_write_bytes",
@@ -42,21 +44,29 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replaces ``path`` by ``data`` so that readers see the old or the new file, never a torn one."""
+    """Replaces ``path`` by ``data`` so that readers see the old or the new file, never a torn one.
+
+    The temporary is created with ``O_EXCL | O_NOFOLLOW``: a link placed at its name is never written through.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    fd = create_exclusive(tmp)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
-def file_sha256(path: Path) -> tuple[int, str]:
-    """Returns ``(size, hex digest)`` of a file, read in chunks."""
+def file_sha256(path: Path, *, follow: bool = True) -> tuple[int, str]:
+    """Returns ``(size, hex digest)`` of a file, read in chunks; ``follow=False`` refuses a symbolic link."""
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    with open(fd, "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while True:
@@ -69,5 +79,11 @@ def file_sha256(path: Path) -> tuple[int, str]:
 
 
 def remove_tree(path: Path) -> None:
-    """Deletes a directory tree; a concurrent deletion of the same tree is not an error."""
+    """Deletes a directory tree; a concurrent deletion of the same tree is not an error.
+
+    A symbolic link is removed itself: what it points to is never touched.
+    """
+    if os.path.islink(path):
+        os.unlink(path)
+        return
     shutil.rmtree(path, ignore_errors=True)

@@ -72,6 +72,7 @@ class SaveHandle:
         self.step = step
         self._phase = phase
         self.error: str | None = None
+        self.disk_full = False  # the save failed because the filesystem is full (checkpointing.errors)
         self._lock = threading.Lock()
         self._done = threading.Event()
         if phase.terminal:

@@ -8,15 +8,23 @@ commits (``.metadata``, manifest, rename, ``latest``) and announces the verdict.
 Replicated entries are written by rank 0 only, ``config.local_keys`` by each rank.
 
 Load: the newest committed step whose manifest and checksums verify, falling
-back to older ones (each rejection is an event naming the file). On a different
-number of ranks: replicated entries load on any rank; rank ``r`` gets the local
-entries saved by rank ``r`` if there was one, else none (the caller re-seeds).
+back to older ones (each rejection is an event naming the file, and a line on
+rank 0's stderr, as is the step resumed from). On a different number of ranks:
+replicated entries load on any rank; rank ``r`` gets the local entries saved by
+rank ``r`` if there was one, else none (the caller re-seeds).
+
+A save that lost a rank is failed as soon as ``cancelled`` says so (see
+``coordinator``); a save that ran out of disk makes every later ``save`` raise
+:class:`~checkpointing.errors.DiskFullError` (the job must stop, not restart).
+Rank 0 removes the ``.tmp`` leftovers of crashed saves when it starts: the
+directory must belong to one job at a time (``resilient_train.rundir`` locks it).
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -29,11 +37,12 @@ from checkpointing import testhooks
 from checkpointing.catalog import iter_valid, list_steps, step_dir, write_latest
 from checkpointing.commit import TMP_SUFFIX, commit_checkpoint
 from checkpointing.config import AsyncMode, CheckpointConfig, InFlightPolicy
-from checkpointing.coordinator import StoreCoordinator
+from checkpointing.coordinator import Cancelled, SaveCancelled, StoreCoordinator
 from checkpointing.durable import remove_tree
+from checkpointing.errors import DiskFullError, disk_full_error, is_disk_full
 from checkpointing.lifecycle import MANAGER_MOVES, ManagerState, SaveHandle, SavePhase, check_move
-from checkpointing.manifest import CheckpointError, Manifest
-from checkpointing.retention import RetentionWorker
+from checkpointing.manifest import MANIFEST_FILE, CheckpointError, Manifest, verify_checkpoint
+from checkpointing.retention import RetentionWorker, remove_leftovers
 from checkpointing.staging import HostStager
 from checkpointing.state_files import local_prefix, read_verified
 from checkpointing.tree import Skeleton, fill_template, flatten_state
@@ -47,9 +56,16 @@ class NoCheckpointError(FileNotFoundError):
     """No committed checkpoint under the directory verifies."""
 
 
+class _RanksFailed(OSError):
+    def __init__(self, reason: str, disk_full: bool) -> None:
+        super().__init__(reason)
+        self.disk_full = disk_full
+
+
 @dataclass(kw_only=True)
 class _Job:
     handle: SaveHandle
+    coord: StoreCoordinator  # the generation the save was requested in
     tree: Skeleton | None
     local_tree: Skeleton | None
     extras: dict[str, Any]
@@ -68,7 +84,11 @@ class CheckpointManager:
         world_size: int = 1,
         store: dist.Store | None = None,
         events: EventLog | None = None,
+        cancelled: Cancelled | None = None,
     ) -> None:
+        """``cancelled`` (a callable or a ``threading.Event``, polled from a background thread every
+        ``coordinator.POLL_S`` while a save waits on other ranks) says the save in flight cannot complete,
+        e.g. "my generation was declared failed"; ``set_store`` replaces it for later saves."""
         if not isinstance(config, CheckpointConfig):
             raise ValueError(f"CheckpointManager: config must be a CheckpointConfig, got {type(config).__name__}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -79,12 +99,18 @@ class CheckpointManager:
         self.root = Path(config.directory)
         self.root.mkdir(parents=True, exist_ok=True)
         self._events = events if events is not None else EventLog(None, source=f"ckpt.rank{rank}")
-        self._coord = StoreCoordinator(store, rank=rank, world_size=world_size, prefix=config.store_prefix)
+        self._coord = StoreCoordinator(store, rank=rank, world_size=world_size, prefix=config.store_prefix,
+                                       cancelled=cancelled)
         self._stager = HostStager()
         self._writer = WriterProcess(rank=rank)  # started by the first save; its imports overlap the staging
         self._state = ManagerState.OPEN
         self._inflight: SaveHandle | None = None
         self._last_committed: int | None = None
+        self._disk_full: DiskFullError | None = None
+        if rank == 0:  # one job per directory (the agent's run-directory lock): nobody else is mid-save
+            removed = remove_leftovers(self.root)
+            if removed:
+                self._events.emit("checkpoint_leftovers_removed", directories=removed, rank=rank)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._committer = threading.Thread(target=self._commit_loop, name=f"ckpt-commit-r{rank}", daemon=True)
         self._committer.start()
@@ -96,15 +122,29 @@ class CheckpointManager:
 
     # ---- public API -------------------------------------------------------------------
 
-    def set_store(self, store: dist.Store) -> None:
-        """Coordinates later saves through ``store`` (e.g. the next generation's prefix store)."""
-        self._coord.set_store(store)
+    def set_store(self, store: dist.Store, *, cancelled: Cancelled | None = None) -> None:
+        """Coordinates later saves through ``store`` (e.g. the next generation's prefix store), cancelled
+        by ``cancelled`` (that generation's "declared failed"). A save in flight keeps its own."""
+        self._coord = self._coord.rebound(store, cancelled)
+
+    @property
+    def disk_full(self) -> DiskFullError | None:
+        """Set once a save failed because the disk is full (on every rank: rank 0's verdict says so)."""
+        return self._disk_full
 
     def save(
-        self, step: int, state: dict[str, Any], *, extras: dict[str, Any] | None = None, blocking: bool = False
+        self, step: int, state: dict[str, Any], *, extras: dict[str, Any] | None = None, blocking: bool = False,
+        required: bool = False,
     ) -> SaveHandle:
-        """Stages ``state`` and returns; with ``blocking`` (or async disabled) waits until it is committed."""
+        """Stages ``state`` and returns; with ``blocking`` (or async disabled) waits until it is committed.
+
+        ``required`` (the last step's save, a preemption's): never skipped by the ``skip`` policy; it
+        waits for the save in flight instead. Raises :class:`DiskFullError` once a save failed for a
+        full disk: checkpointing cannot go on, and restarting ranks does not help.
+        """
         self._check_open()
+        if self._disk_full is not None:
+            raise DiskFullError(self._disk_full.message)
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
         if not isinstance(state, dict):
@@ -116,11 +156,14 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager.save: extras must be JSON data: {e}") from None
         previous = self._inflight
         if previous is not None and not previous.phase.terminal:
-            if self.config.in_flight == InFlightPolicy.SKIP:
+            if self.config.in_flight == InFlightPolicy.SKIP and not required:
                 self._events.emit("checkpoint_skipped", step=step, in_flight=previous.step, rank=self.rank)
                 return SaveHandle(step, SavePhase.SKIPPED)
-            self._events.emit("checkpoint_waiting", step=step, in_flight=previous.step, rank=self.rank)
+            self._events.emit("checkpoint_waiting", step=step, in_flight=previous.step, rank=self.rank,
+                              required=required)
             previous.wait(self.config.timeout_s)
+            if self._disk_full is not None:  # the save waited for ran out of space
+                raise DiskFullError(self._disk_full.message)
         started = time.monotonic()
         self._writer.start()  # no-op once running; (re)starts a dead one without waiting for it
         local_keys = set(self.config.local_keys)
@@ -146,6 +189,7 @@ class CheckpointManager:
         self._jobs.put(
             _Job(
                 handle=handle,
+                coord=self._coord,
                 tree=tree,
                 local_tree=local_tree if self.config.local_keys else None,
                 extras=extras,
@@ -190,9 +234,7 @@ class CheckpointManager:
             for entry, result in iter_valid(self.root, run_id=self.config.run_id):
                 if not isinstance(result, CheckpointError):
                     return entry.step
-                self._events.emit(
-                    "checkpoint_invalid", step=entry.step, file=result.file, reason=result.reason, rank=self.rank
-                )
+                self._invalid(entry.step, result)
             return None
         for entry in reversed(list_steps(self.root)):
             try:
@@ -208,27 +250,38 @@ class CheckpointManager:
         With ``template``, its tensors are filled in place (shapes and dtypes must
         match) and its structure returned; otherwise fresh CPU tensors.
         """
-        for entry, result in iter_valid(self.root, run_id=self.config.run_id):
+        for entry in reversed(list_steps(self.root)):
             if step is not None and entry.step != step:
-                continue
+                continue  # not verified: only the step asked for is read
             try:
-                if isinstance(result, CheckpointError):
-                    raise result
-                state = read_verified(entry.path, result, rank=self.rank)
+                manifest = verify_checkpoint(entry.path, run_id=self.config.run_id)
+                if manifest.step != entry.step:
+                    raise CheckpointError(entry.path, MANIFEST_FILE, f"manifest says step {manifest.step}")
+                state = read_verified(entry.path, manifest, rank=self.rank)
             except CheckpointError as e:
-                self._events.emit(
-                    "checkpoint_invalid", step=entry.step, file=e.file, reason=e.reason, rank=self.rank
-                )
+                self._invalid(entry.step, e)
                 continue
             self._events.emit(
-                "checkpoint_loaded", step=entry.step, saved_world_size=result.world_size, world_size=self.world_size,
+                "checkpoint_loaded", step=entry.step, saved_world_size=manifest.world_size, world_size=self.world_size,
                 rank=self.rank,
             )
+            self._notice(f"resuming from checkpoint step {entry.step} ({entry.path}, saved by "
+                         f"{manifest.world_size} rank(s))")
             if template is not None:
                 state = fill_template(template, state)
-            return state, result
+            return state, manifest
         wanted = f"step {step}" if step is not None else "any step"
         raise NoCheckpointError(f"no valid checkpoint ({wanted}) under {self.root}")
+
+    def _invalid(self, step: int, e: CheckpointError) -> None:
+        self._events.emit("checkpoint_invalid", step=step, file=e.file, reason=e.reason, rank=self.rank)
+        self._notice(f"checkpoint step {step} is not valid ({e.file or 'directory'}: {e.reason}); "
+                     "falling back to an older one")
+
+    def _notice(self, text: str) -> None:
+        """Resume, fallback and a full disk are told on the console too, not only in events.jsonl."""
+        if self.config.console and self.rank == 0:
+            print(f"resilient-train: {text}", file=sys.stderr, flush=True)
 
     def close(self, timeout: float | None = None) -> None:
         """Waits for the save in flight, stops the committer, retention and writer."""
@@ -273,7 +326,7 @@ class CheckpointManager:
                 self._events.emit("checkpoint_failed", step=job.handle.step, rank=self.rank, reason=repr(e))
 
     def _run_job(self, job: _Job) -> None:
-        h, step, timeout = job.handle, job.handle.step, self.config.timeout_s
+        h, step, timeout, coord = job.handle, job.handle.step, self.config.timeout_s, job.coord
         final = step_dir(self.root, step)
         tmp_dir = final.with_name(final.name + TMP_SUFFIX)
         h.move(SavePhase.WRITING)
@@ -282,6 +335,8 @@ class CheckpointManager:
             if job.cuda_event is not None:
                 job.cuda_event.synchronize()
             tmp_dir.mkdir(parents=True, exist_ok=True)
+            if tmp_dir.is_symlink():  # a link would have every rank write its shard wherever it points
+                raise OSError(f"{tmp_dir} is a symbolic link, not a directory this job created")
             files: dict[str, Any] = {}
             if self._stager.buffers:
                 files = self._writer.write(
@@ -289,29 +344,36 @@ class CheckpointManager:
                 )
             report = {"files": files, "local_tree": job.local_tree}
         except Exception as e:
-            report = {"error": f"rank {self.rank}: {e}"}
-        self._coord.report(step, report)
+            report = {"error": f"rank {self.rank}: {e}", "disk_full": is_disk_full(e)}
+        coord.report(step, report)
         testhooks.crash_point("reported", step=step, rank=self.rank)
         if "error" in report and self.rank != 0:
-            self._fail(h, report["error"])
+            self._fail(h, report["error"], disk_full=report["disk_full"])
             return
         h.move(SavePhase.COMMITTING)
         if self.rank != 0:
             try:
-                verdict = self._coord.outcome(step, timeout)
-            except TimeoutError as e:
+                verdict = coord.outcome(step, timeout)
+            except (TimeoutError, SaveCancelled) as e:
                 self._fail(h, str(e))
                 return
             if verdict["ok"]:
                 self._committed(h, job)
             else:
-                self._fail(h, verdict["reason"])
+                self._fail(h, verdict["reason"], disk_full=bool(verdict.get("disk_full")))
             return
         try:
-            reports = self._coord.gather(step, timeout)
-            errors = [r["error"] for r in reports.values() if "error" in r]
-            if errors:
-                raise OSError("; ".join(errors))
+            reports = coord.gather(step, timeout)
+        except (TimeoutError, SaveCancelled) as e:
+            # Left for the next save of this step, or retention, to remove: a rank still writing into it
+            # must not race a deletion.
+            coord.announce(step, ok=False, reason=str(e))
+            self._fail(h, str(e))
+            return
+        failed = [r for r in reports.values() if "error" in r]
+        try:
+            if failed:
+                raise _RanksFailed("; ".join(r["error"] for r in failed), any(r.get("disk_full") for r in failed))
             commit_checkpoint(
                 tmp_dir,
                 final,
@@ -326,12 +388,16 @@ class CheckpointManager:
             write_latest(self.root, step)
             testhooks.crash_point("latest", step=step, rank=self.rank)
         except Exception as e:
+            full = e.disk_full if isinstance(e, _RanksFailed) else is_disk_full(e)
+            reason = str(e)
+            if full and not isinstance(e, _RanksFailed):  # e.g. ENOSPC writing the manifest
+                reason = str(disk_full_error(self.root, e, what=f"committing step {step}") or e)
             if not final.exists():
                 remove_tree(tmp_dir)
-            self._coord.announce(step, ok=False, reason=str(e))
-            self._fail(h, str(e))
+            coord.announce(step, ok=False, reason=reason, disk_full=full)
+            self._fail(h, reason, disk_full=full)
             return
-        self._coord.announce(step, ok=True)
+        coord.announce(step, ok=True)
         self._committed(h, job)
         if self._retention is not None:
             self._retention.request()
@@ -347,9 +413,14 @@ class CheckpointManager:
             bytes=job.nbytes,
         )
 
-    def _fail(self, h: SaveHandle, reason: str) -> None:
+    def _fail(self, h: SaveHandle, reason: str, *, disk_full: bool = False) -> None:
+        if disk_full and self._disk_full is None:
+            # Set before the handle ends: a caller woken by it must find it.
+            self._disk_full = DiskFullError(f"checkpoint step {h.step} under {self.root}: {reason}")
+            self._notice(f"checkpoint step {h.step} failed: {reason}")
+        h.disk_full = disk_full
         h.move(SavePhase.FAILED, error=reason)
-        self._events.emit("checkpoint_failed", step=h.step, rank=self.rank, reason=reason)
+        self._events.emit("checkpoint_failed", step=h.step, rank=self.rank, reason=reason, disk_full=disk_full)
 
     def _check_open(self) -> None:
         if self._state != ManagerState.OPEN:

@@ -12,17 +12,28 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from checkpointing.durable import CHECKSUM_ALGORITHM, atomic_write_bytes, file_sha256
+from checkpointing.tree import check_skeleton
 
-__all__ = ["MANIFEST_FILE", "FORMAT_VERSION", "CheckpointError", "FileEntry", "Manifest", "verify_checkpoint"]
+__all__ = [
+    "FORMAT_VERSION", "MANIFEST_FILE", "MAX_JSON_DEPTH", "MAX_MANIFEST_BYTES", "CheckpointError", "FileEntry",
+    "Manifest", "is_plain_name", "verify_checkpoint",
+]
 
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
+# A manifest is read whole into memory. A skeleton entry costs ~100 bytes, so this holds ~600,000 tensors.
+MAX_MANIFEST_BYTES = 64 * 2**20
+# JSON nesting: a state's skeleton is 3 levels per level of the state (tree.MAX_DEPTH), plus the envelope.
+MAX_JSON_DEPTH = 3 * 64 + 8
 _FORMAT_NAME = "resilient-train-checkpoint"
 
 
@@ -76,24 +87,44 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: Any) -> Manifest:
+        """Checks every field's type and range: a manifest whose self-checksum matches may still be
+        forged, and nothing downstream should meet an infinite size or a list where a mapping belongs."""
         if not isinstance(data, dict) or data.get("format") != _FORMAT_NAME:
             raise ValueError("not a resilient-train checkpoint manifest")
+        _check_depth(data)
         claimed = data.get("self_checksum")
         body = {k: v for k, v in data.items() if k != "self_checksum"}
         if claimed != _canonical_digest(body):
             raise ValueError("manifest checksum mismatch (torn or edited manifest)")
-        if data["version"] != FORMAT_VERSION:
-            raise ValueError(f"unsupported manifest version {data['version']} (this reader: {FORMAT_VERSION})")
+        version = _int(data, "version", low=0)
+        if version != FORMAT_VERSION:
+            raise ValueError(f"unsupported manifest version {version} (this reader: {FORMAT_VERSION})")
+        run_id = data.get("run_id")
+        if run_id is not None and not isinstance(run_id, str):
+            raise ValueError(f"run_id must be a string or null, got {type(run_id).__name__}")
+        created = data.get("created")
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+            raise ValueError(f"created must be a finite number, got {created!r}")
+        files = _mapping(data, "files")
+        entries = {name: _file_entry(name, e) for name, e in files.items()}
+        tree = data.get("tree")
+        check_skeleton(tree, "tree")
+        local_trees: dict[int, dict[str, Any]] = {}
+        for r, t in _mapping(data, "local_trees").items():
+            if not (isinstance(r, str) and r.isdecimal() and len(r) < 10):
+                raise ValueError(f"local_trees: {r!r} is not a rank")
+            check_skeleton(t, f"local_trees[{r}]")
+            local_trees[int(r)] = t
         return cls(
-            step=int(data["step"]),
-            world_size=int(data["world_size"]),
-            run_id=data["run_id"],
-            created=float(data["created"]),
-            files={n: FileEntry(size=int(e["size"]), sha256=str(e["sha256"])) for n, e in data["files"].items()},
-            tree=data["tree"],
-            local_trees={int(r): t for r, t in data["local_trees"].items()},
-            extras=data["extras"],
-            version=int(data["version"]),
+            step=_int(data, "step", low=0),
+            world_size=_int(data, "world_size", low=1),
+            run_id=run_id,
+            created=float(created),
+            files=entries,
+            tree=tree,
+            local_trees=local_trees,
+            extras=_mapping(data, "extras"),
+            version=version,
         )
 
     def write(self, directory: Path) -> None:
@@ -103,12 +134,74 @@ class Manifest:
     @classmethod
     def read(cls, directory: Path) -> Manifest:
         path = Path(directory) / MANIFEST_FILE
-        if not path.is_file():
-            raise CheckpointError(directory, MANIFEST_FILE, "missing manifest (not a committed checkpoint)")
         try:
-            return cls.from_json(json.loads(path.read_text(encoding="utf-8")))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CheckpointError(directory, MANIFEST_FILE, "missing manifest (not a committed checkpoint)") from None
+        except OSError as e:  # ELOOP: a symbolic link
+            raise CheckpointError(directory, MANIFEST_FILE, f"not a regular file ({e.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(directory, MANIFEST_FILE, "not a regular file")
+            if st.st_size > MAX_MANIFEST_BYTES:
+                raise CheckpointError(directory, MANIFEST_FILE, f"{st.st_size} bytes, more than a manifest may hold "
+                                                                f"({MAX_MANIFEST_BYTES})")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_MANIFEST_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            return cls.from_json(json.loads(raw.decode("utf-8")))
+        except RecursionError:
+            raise CheckpointError(directory, MANIFEST_FILE, "invalid manifest: nested too deeply") from None
+        except (ValueError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as e:
             raise CheckpointError(directory, MANIFEST_FILE, f"invalid manifest: {e}") from None
+
+
+def _check_depth(data: Any) -> None:
+    """Iteratively: the canonical digest and every reader after it recurse into the data."""
+    todo = [(data, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, dict):
+            todo.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            todo.extend((v, depth + 1) for v in node)
+
+
+def _int(data: dict[str, Any], name: str, *, low: int) -> int:
+    v = data.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    return v
+
+
+def _mapping(data: dict[str, Any], name: str) -> dict[str, Any]:
+    v = data.get(name)
+    if not isinstance(v, dict):
+        raise ValueError(f"{name} must be an object, got {type(v).__name__}")
+    return v
+
+
+def _file_entry(name: Any, entry: Any) -> FileEntry:
+    if not is_plain_name(name):
+        raise ValueError(f"files: {name!r} is not a file name inside the checkpoint directory")
+    if not isinstance(entry, dict):
+        raise ValueError(f"files[{name!r}] must be an object, got {type(entry).__name__}")
+    size, digest = entry.get("size"), entry.get("sha256")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"files[{name!r}].size must be an integer >= 0, got {size!r}")
+    if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+        raise ValueError(f"files[{name!r}].sha256 must be 64 lowercase hex digits")
+    return FileEntry(size=size, sha256=digest)
+
+
+def is_plain_name(name: Any) -> bool:
+    """A file directly inside the checkpoint directory: no separator, not ``.`` or ``..``."""
+    return isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
 
 
 def _canonical_digest(body: dict[str, Any]) -> str:
@@ -133,13 +226,17 @@ def verify_checkpoint(
         )
     for name, entry in sorted(manifest.files.items()):
         path = directory / name
-        if "/" in name or name.startswith("..") or not path.is_file():
-            raise CheckpointError(directory, name, "listed in the manifest but missing")
-        size = path.stat().st_size
-        if size != entry.size:
-            raise CheckpointError(directory, name, f"size {size} != {entry.size} in the manifest (truncated?)")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise CheckpointError(directory, name, "listed in the manifest but missing") from None
+        if not stat.S_ISREG(st.st_mode):  # a link could vouch for any file on the machine
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise CheckpointError(directory, name, f"listed in the manifest but {what}")
+        if st.st_size != entry.size:
+            raise CheckpointError(directory, name, f"size {st.st_size} != {entry.size} in the manifest (truncated?)")
         if checksums:
-            _, digest = file_sha256(path)
+            _, digest = file_sha256(path, follow=False)
             if digest != entry.sha256:
                 raise CheckpointError(directory, name, "checksum mismatch (corrupted)")
     return manifest

@@ -18,7 +18,7 @@ from checkpointing.commit import TMP_SUFFIX
 from checkpointing.durable import remove_tree
 from checkpointing.manifest import CheckpointError, Manifest
 
-__all__ = ["RetentionWorker", "select_deletions"]
+__all__ = ["RetentionWorker", "remove_leftovers", "select_deletions"]
 
 
 def select_deletions(valid_steps: list[int], *, keep_last: int, keep_every: int) -> list[int]:
@@ -30,6 +30,27 @@ def select_deletions(valid_steps: list[int], *, keep_last: int, keep_every: int)
     if keep_every > 0:
         keep |= {s for s in ordered if s % keep_every == 0}
     return [s for s in ordered if s not in keep]
+
+
+def remove_leftovers(root: Path) -> list[str]:
+    """What crashed saves and deletions left (``step-N.tmp``, ``step-N.deleting``), removed when a job starts;
+    returns their names. ``step-N.replaced`` is an older commit of step N moved aside just before the new
+    one was renamed into place: without a ``step-N`` it is the only copy, and is put back."""
+    removed = []
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
+        name = child.name
+        if not name.startswith("step-") or child.is_symlink() or not child.is_dir():
+            continue
+        if name.endswith(".replaced"):
+            original = child.with_name(name[: -len(".replaced")])
+            if not original.exists():
+                os.rename(child, original)
+                continue
+        elif not name.endswith((TMP_SUFFIX, ".deleting")):
+            continue
+        remove_tree(child)
+        removed.append(name)
+    return removed
 
 
 class RetentionWorker:

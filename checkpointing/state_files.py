@@ -15,6 +15,7 @@ from typing import Any
 from checkpointing.commit import TMP_SUFFIX, commit_checkpoint, describe_files
 from checkpointing.dcp_io import read_tensors, write_shard
 from checkpointing.durable import remove_tree
+from checkpointing.errors import DiskFullError, disk_full_error
 from checkpointing.manifest import Manifest, verify_checkpoint
 from checkpointing.tree import flatten_state, skeleton_keys, unflatten_state
 
@@ -40,7 +41,8 @@ def write_state(
     """Writes ``state`` as a committed checkpoint at ``directory`` and returns its path.
 
     Tensors go to DCP files (``dcp.load`` reads them), plain values into the
-    manifest. The directory appears complete or not at all.
+    manifest. The directory appears complete or not at all. A full filesystem raises
+    :class:`~checkpointing.errors.DiskFullError` (one line naming the directory).
     """
     if not isinstance(state, dict):
         raise ValueError(f"write_state: state must be a dict, got {type(state).__name__}")
@@ -68,8 +70,11 @@ def write_state(
             extras=extras,
             run_id=run_id,
         )
-    except BaseException:
+    except BaseException as e:
         remove_tree(tmp)
+        full = disk_full_error(final.parent, e, what=f"writing {final}") if isinstance(e, OSError) else None
+        if full is not None and not isinstance(e, DiskFullError):
+            raise full from None  # e.g. ENOSPC writing the manifest: name the directory
         raise
     return final
 
@@ -100,7 +105,7 @@ def read_verified(path: Path, manifest: Manifest, *, rank: int | None) -> dict[s
     keys = skeleton_keys(manifest.tree)
     for r in wanted:
         keys += skeleton_keys(trees[r])
-    tensors = read_tensors(path, keys)
+    tensors = read_tensors(path, keys, {name: e.size for name, e in manifest.files.items()})
     state = unflatten_state(manifest.tree, tensors.__getitem__)
     if not isinstance(state, dict):
         raise ValueError(f"{path}: checkpoint root is not a dict")

@@ -18,10 +18,14 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Skeleton", "fill_template", "flatten_state", "unflatten_state", "skeleton_keys"]
+__all__ = ["MAX_DEPTH", "Skeleton", "check_skeleton", "fill_template", "flatten_state", "unflatten_state",
+           "skeleton_keys"]
 
 Skeleton = dict[str, Any]
 _PLAIN = (int, float, bool, str, type(None))
+# Nesting of a state (dicts and lists inside each other). Real states are a few levels deep; the bound
+# keeps the recursive readers below far from Python's recursion limit on a forged manifest.
+MAX_DEPTH = 64
 
 
 def flatten_state(state: Any, *, prefix: str = "") -> tuple[dict[str, torch.Tensor], Skeleton]:
@@ -56,7 +60,46 @@ def flatten_state(state: Any, *, prefix: str = "") -> tuple[dict[str, torch.Tens
         )
 
     skeleton = walk(state, prefix)
+    check_skeleton(skeleton)  # what is written must read back: the same depth bound
     return flat, skeleton
+
+
+def check_skeleton(skeleton: Any, where: str = "tree") -> None:
+    """Raises ``ValueError`` unless ``skeleton`` is a well-formed skeleton at most :data:`MAX_DEPTH` deep.
+
+    Iterative, so a forged manifest nested 100,000 deep is refused without recursing.
+    """
+    todo: list[tuple[Any, int]] = [(skeleton, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(node, dict) or len(node) != 1:
+            raise ValueError(f"{where}: a skeleton node must be a one-entry object, got {_kind(node)}")
+        (tag, body), = node.items()
+        if tag == "T":
+            if not isinstance(body, str) or not body:
+                raise ValueError(f"{where}: a tensor key must be a non-empty string")
+        elif tag == "V":
+            if not isinstance(body, _PLAIN):
+                raise ValueError(f"{where}: a plain value must be a number, string, bool or null, got {_kind(body)}")
+        elif tag == "D":
+            if not isinstance(body, list):
+                raise ValueError(f"{where}: a dict node must hold a list of [key, child] pairs")
+            for item in body:
+                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))):
+                    raise ValueError(f"{where}: a dict entry must be [str or int key, child]")
+                todo.append((item[1], depth + 1))
+        elif tag in ("L", "U"):
+            if not isinstance(body, list):
+                raise ValueError(f"{where}: a list node must hold a list")
+            todo.extend((child, depth + 1) for child in body)
+        else:
+            raise ValueError(f"{where}: unknown skeleton node {tag!r}")
+
+
+def _kind(x: Any) -> str:
+    return "null" if x is None else type(x).__name__
 
 
 def unflatten_state(skeleton: Skeleton, resolve: Callable[[str], torch.Tensor]) -> Any:

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from checkpointing.errors import DiskFullError
+
 __all__ = ["WriterDied", "WriterProcess"]
 
 
@@ -77,7 +79,7 @@ class WriterProcess:
             raise WriterDied(f"checkpoint writer of rank {self._rank} died (exit code {code}) writing step {step}") from None
         assert reply["step"] == step, (reply, step)
         if "error" in reply:
-            raise OSError(reply["error"])
+            raise DiskFullError(reply["error"]) if reply.get("disk_full") else OSError(reply["error"])
         return reply["files"]
 
     def close(self, timeout: float = 30.0) -> None:
@@ -155,6 +157,7 @@ def _serve(rank: int) -> None:
     from checkpointing import testhooks
     from checkpointing.commit import describe_files
     from checkpointing.dcp_io import write_shard
+    from checkpointing.errors import is_disk_full
     from checkpointing.staging import map_buffer
 
     torch.set_num_threads(1)
@@ -178,7 +181,8 @@ def _serve(rank: int) -> None:
             testhooks.crash_point("written", step=step, rank=rank)
             reply: dict[str, Any] = {"step": step, "files": files}
         except Exception as e:  # reported to the rank, which fails the save and goes on
-            reply = {"step": step, "error": f"{type(e).__name__}: {e}"}
+            full = is_disk_full(e)
+            reply = {"step": step, "error": str(e) if full else f"{type(e).__name__}: {e}", "disk_full": full}
         out.write(json.dumps(reply).encode() + b"\n")
         out.flush()
 

@@ -14,7 +14,7 @@ from monitors.control import StragglerControl, read_control, write_control
 from monitors.events import EventLog, read_events
 from monitors.hang import Hang, HangConfig, HangDetector
 from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
-from monitors.node import MetricsConfig, MonitorConfig, MonitorResult, NodeMonitor
+from monitors.node import MetricsConfig, MonitorConfig, MonitorResult, NodeMonitor, max_local_ranks
 from monitors.progress import ProgressReader, ProgressReporter, ProgressSnapshot, StepRecord
 from monitors.sections import SECTIONS, Section
 from monitors.straggler import (
@@ -52,5 +52,6 @@ __all__ = [
     "TensorBoardSink",
     "read_control",
     "read_events",
+    "max_local_ranks",
     "write_control",
 ]

@@ -43,13 +43,26 @@ def straggler_main(argv: list[str], out: TextIO | None = None) -> int:
     args = _parse(p, argv)
     if isinstance(args, int):
         return args
-    if not Path(args.run_dir).is_dir():
+    run = Path(args.run_dir)
+    if not run.is_dir():
         print(f"resilient-train straggler: no such run directory: {args.run_dir}", file=sys.stderr)
+        return 2
+    # It writes into the directory: only into a run's, and never through a link.
+    if not (run / "events.jsonl").is_file() and not (run / ".monitors").is_dir():
+        print(f"resilient-train straggler: {args.run_dir} is not a run directory (no events.jsonl, no .monitors/)",
+              file=sys.stderr)
+        return 2
+    if (run / ".monitors").is_symlink():
+        print(f"resilient-train straggler: {run / '.monitors'} is a symbolic link; refusing to write through it",
+              file=sys.stderr)
         return 2
     try:
         ctl = write_control(args.run_dir, enabled=args.enabled, threshold=args.threshold)
     except ValueError as e:
         print(f"resilient-train straggler: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"resilient-train straggler: cannot write to {run / '.monitors'}: {e.strerror or e}", file=sys.stderr)
         return 2
     enabled = "unchanged (config)" if ctl.enabled is None else ("on" if ctl.enabled else "off")
     threshold = "unchanged (config)" if ctl.threshold is None else f"{ctl.threshold:g}"
@@ -83,7 +96,22 @@ def status_main(argv: list[str], out: TextIO | None = None) -> int:
     if not run.is_dir():
         print(f"resilient-train status: no such run directory: {run}", file=sys.stderr)
         return 2
-    events = list(read_events(run / "events.jsonl"))
+    try:
+        return _status(run, out)
+    except OSError as e:
+        print(f"resilient-train status: cannot read {run}: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # records that are not a run's: one line
+        print(f"resilient-train status: {run} does not hold a readable run ({type(e).__name__}: {e})",
+              file=sys.stderr)
+        return 2
+
+
+def _status(run: Path, out: TextIO) -> int:
+    log = run / "events.jsonl"
+    events = list(read_events(log))
+    if not events and log.is_file() and log.stat().st_size > 0:
+        raise ValueError(f"{log} holds no event records ({log.stat().st_size} bytes): not a run's event log")
     kinds: dict[str, list[dict[str, Any]]] = {}
     for e in events:
         kinds.setdefault(str(e.get("event")), []).append(e)

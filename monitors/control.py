@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from monitors.safefiles import write_atomic
+
 __all__ = ["StragglerControl", "control_path", "read_control", "write_control"]
 
 
@@ -58,7 +60,6 @@ def write_control(
     )
     path = control_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"enabled": new.enabled, "threshold": new.threshold}) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps({"enabled": new.enabled, "threshold": new.threshold}) + "\n").encode(),
+                 fsync=False)
     return new

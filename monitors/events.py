@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["EventLog", "read_events"]
+from monitors.safefiles import append_bytes
+
+__all__ = ["MAX_LINE_BYTES", "EventLog", "read_events"]
+
+MAX_LINE_BYTES = 1 << 20  # a longer line is not one of ours (hang stacks are capped at a few KiB)
 
 
 class EventLog:
@@ -24,34 +29,49 @@ class EventLog:
     def __init__(self, path: str | os.PathLike[str] | None, *, source: str) -> None:
         self.path = Path(path) if path is not None else None
         self.source = source
+        self._warned = False  # a failed write was told on stderr
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Appends one record. A write that fails (a full disk) is told once on stderr and never raised:
+        the log must not take down the party reporting the trouble."""
         record = {"time": time.time(), "event": event, "source": self.source, **fields}
         if self.path is not None:
             line = json.dumps(record, sort_keys=False, default=str) + "\n"
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
+                append_bytes(self.path, line.encode())
+            except OSError as e:
+                if not self._warned:
+                    self._warned = True
+                    print(f"resilient-train: cannot write events to {self.path}: {e.strerror or e}; "
+                          "events are dropped while it fails", file=sys.stderr, flush=True)
         return record
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yields the events of a log; a torn last line (a writer killed mid-write) is skipped."""
+    """Yields the events of a log: JSON objects with a string ``event`` and a numeric ``time``.
+
+    Anything else (a torn last line of a writer killed mid-write, binary junk, a line that is not
+    one of our records) is skipped, so readers can rely on those two fields.
+    """
     p = Path(path)
     if p.is_dir():
         p = p / "events.jsonl"
     if not p.exists():
         return
-    with open(p, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
+    with open(p, "rb") as f:
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            if len(raw) > MAX_LINE_BYTES:  # skip the rest of an overlong line without holding it
+                while raw and not raw.endswith(b"\n"):
+                    raw = f.readline(MAX_LINE_BYTES + 1)
+                continue
+            if not raw.strip():
                 continue
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
+                record = json.loads(raw)
+            except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
                 continue
+            if (isinstance(record, dict) and isinstance(record.get("event"), str)
+                    and isinstance(record.get("time"), (int, float)) and not isinstance(record["time"], bool)):
+                yield record

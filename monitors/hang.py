@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from monitors.configfile import kind, require_bool, require_int, require_number, require_strs
 from monitors.progress import ProgressReader, ProgressSnapshot
 from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS, Section
 
@@ -47,14 +48,20 @@ class HangConfig:
     collective_sections: tuple[str, ...] = tuple(sorted(COLLECTIVE_SECTIONS))
 
     def __post_init__(self) -> None:
-        unknown = set(self.timeouts) - set(SECTIONS)
+        require_bool(self.enabled, "hang.enabled")
+        require_bool(self.computed, "hang.computed")
+        if not isinstance(self.timeouts, dict):
+            raise ValueError(f"hang.timeouts must be a mapping of section to seconds, got {kind(self.timeouts)}")
+        unknown = sorted(str(s) for s in set(self.timeouts) - set(SECTIONS))
         if unknown:
-            raise ValueError(f"HangConfig.timeouts: unknown sections {sorted(unknown)}")
+            raise ValueError(f"hang.timeouts: unknown sections {unknown}; expected some of {list(SECTIONS)}")
+        for section, t in self.timeouts.items():
+            require_number(t, f"hang.timeouts.{section}", above=0)
         for name in ("safety_factor", "min_timeout", "default_timeout", "startup_timeout", "long_section_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"HangConfig.{name} must be > 0, got {getattr(self, name)}")
-        if any(t <= 0 for t in self.timeouts.values()):
-            raise ValueError(f"HangConfig.timeouts must be > 0, got {self.timeouts}")
+            require_number(getattr(self, name), f"hang.{name}", above=0)
+        require_int(self.min_observations, "hang.min_observations", low=1)
+        self.collective_sections = require_strs(self.collective_sections, "hang.collective_sections",
+                                                choices=SECTIONS)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,17 +17,31 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
 
+from monitors.configfile import check_fields, kind, load_config_file, require_bool, require_int, require_str
 from monitors.events import EventLog
 from monitors.hang import Hang, HangConfig, HangDetector, ranks_to_kill
 from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
 from monitors.persist import write_json_atomic
 from monitors.straggler import StragglerConfig, StragglerDetector, StragglerReport
 
-__all__ = ["MetricsConfig", "MonitorConfig", "MonitorResult", "NodeMonitor"]
+__all__ = ["MAX_RANKS_PER_CORE", "MetricsConfig", "MonitorConfig", "MonitorResult", "NodeMonitor", "max_local_ranks"]
+
+# Ranks one node may run per CPU core. The test suite runs 4 ranks on 2 cores; much past that a healthy
+# rank waits for a core longer than the hang detector's floor (HangConfig.min_timeout, 3 s) and is killed
+# as hung, and every rank is an interpreter with torch imported (about 0.2 GiB, twice with its
+# checkpoint writer process).
+MAX_RANKS_PER_CORE = 4
+
+
+def max_local_ranks(cpus: int | None = None) -> int:
+    """The most ranks one node is given: 4 per CPU core, and at least 8 (a GPU node's usual count)."""
+    cpus = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                         else os.cpu_count() or 1)
+    return max(8, MAX_RANKS_PER_CORE * cpus)
 
 
 @dataclass(kw_only=True)
@@ -38,6 +52,14 @@ class MetricsConfig:
     tensorboard: bool = True  # used only when tensorboard is importable
     tensorboard_dir: str | None = None  # default RUN_DIR/tensorboard
 
+    def __post_init__(self) -> None:
+        require_bool(self.prometheus, "metrics.prometheus")
+        require_bool(self.tensorboard, "metrics.tensorboard")
+        if not require_str(self.prometheus_host, "metrics.prometheus_host", max_len=255):
+            raise ValueError("metrics.prometheus_host must not be empty")
+        require_int(self.prometheus_port, "metrics.prometheus_port", low=0, high=65535)
+        require_str(self.tensorboard_dir, "metrics.tensorboard_dir", allow_none=True)
+
 
 @dataclass(kw_only=True)
 class MonitorConfig:
@@ -46,33 +68,32 @@ class MonitorConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "MonitorConfig":
+    def from_dict(cls, data: Any) -> "MonitorConfig":
         """From plain data (a YAML or JSON file): ``{"hang": {...}, "straggler": {...}, "metrics": {...}}``."""
         parts = {"hang": HangConfig, "straggler": StragglerConfig, "metrics": MetricsConfig}
-        unknown = set(data) - set(parts)
+        if not isinstance(data, dict):
+            raise ValueError(f"a monitor config must be a mapping of {sorted(parts)}, got {kind(data)}")
+        unknown = sorted(str(k) for k in data if k not in parts)
         if unknown:
-            raise ValueError(f"monitor config: unknown sections {sorted(unknown)}; expected {sorted(parts)}")
+            raise ValueError(f"unknown section(s) {unknown}; expected some of {sorted(parts)}")
         kwargs: dict[str, Any] = {}
-        for name, kind in parts.items():
-            sub = dict(data.get(name) or {})
+        for name, kind_ in parts.items():
+            sub = data.get(name)
+            sub = dict(check_fields(sub, [f.name for f in fields(kind_)], name) if sub is not None else {})
             for key in ("sections", "scores", "collective_sections"):
                 if isinstance(sub.get(key), list):
                     sub[key] = tuple(sub[key])
-            try:
-                kwargs[name] = kind(**sub)
-            except TypeError as e:
-                raise ValueError(f"monitor config [{name}]: {e}") from None
+            kwargs[name] = kind_(**sub)
         return cls(**kwargs)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "MonitorConfig":
-        """From a YAML (or JSON, a subset of YAML) file."""
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"monitor config {str(path)!r}: expected a mapping")
-        return cls.from_dict(data)
+        """From a YAML (or JSON, a subset of YAML) file; every mistake is a one-line ``ValueError`` naming it."""
+        data = load_config_file(path, "monitor config")
+        try:
+            return cls.from_dict({} if data is None else data)
+        except ValueError as e:
+            raise ValueError(f"monitor config {str(path)!r}: {e}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +127,11 @@ class NodeMonitor:
         m = config.metrics
         if sinks is None:
             if m.prometheus:
-                self._prometheus = PrometheusSink(host=m.prometheus_host, port=m.prometheus_port)
+                try:
+                    self._prometheus = PrometheusSink(host=m.prometheus_host, port=m.prometheus_port)
+                except OSError as e:  # a host not on this machine, a port in use: the user's input
+                    raise ValueError(f"metrics: cannot serve Prometheus on {m.prometheus_host}:{m.prometheus_port}: "
+                                     f"{e.strerror or e}") from None
                 self.sinks.append(self._prometheus)
             if m.tensorboard:
                 tb = TensorBoardSink.create(m.tensorboard_dir or str(self.run_dir / "tensorboard"))

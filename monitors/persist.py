@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from monitors.safefiles import write_atomic
+
 __all__ = ["CHECKPOINT_EXTRAS_KEY", "monitor_state_path", "offer_from_checkpoint", "offered_state_path",
            "read_monitor_state", "take_offer", "write_json_atomic"]
 
@@ -73,10 +75,4 @@ def take_offer(run_dir: str | os.PathLike[str]) -> tuple[int | None, dict[str, A
 
 def write_json_atomic(path: Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from monitors.safefiles import create_exclusive
 from monitors.sections import SECTIONS, Section, section_code
 
 if TYPE_CHECKING:
@@ -147,10 +148,9 @@ class ProgressReporter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         now = time.monotonic_ns()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(b"\0" * SLOT_SIZE)
-        fd = os.open(tmp, os.O_RDWR)
+        fd = create_exclusive(tmp)  # never an existing file (or a link placed at the name)
         try:
+            os.ftruncate(fd, SLOT_SIZE)  # zero-filled
             self._mm = mmap.mmap(fd, SLOT_SIZE)
         finally:
             os.close(fd)

@@ -26,6 +26,8 @@ import signal
 from pathlib import Path
 from typing import IO
 
+from monitors.safefiles import open_nofollow
+
 __all__ = ["DUMP_WAIT_S", "StackDumps", "innermost_frame", "install_stack_dump", "is_stopped", "stacks_path"]
 
 DUMP_WAIT_S = 0.3  # at most: the agent kills as soon as the dump is written (``StackDumps.written``)
@@ -39,13 +41,18 @@ def stacks_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
 def install_stack_dump(run_dir: str | os.PathLike[str], rank: int) -> IO[str] | None:
     """In a rank: dump every thread's stack to its stacks file on SIGUSR1. Keep the returned file open.
 
-    Returns ``None`` (and installs nothing) when the process already handles SIGUSR1.
+    Returns ``None`` (and installs nothing) when the process already handles SIGUSR1, or when the
+    stacks file cannot be opened (a symbolic link is never followed).
     """
     if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
         return None
     path = stacks_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a", buffering=1)  # noqa: SIM115  # lives as long as the process
+    try:  # never through a link left at the name: the rank would append its stacks to the link's target
+        fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError:
+        return None
+    f = os.fdopen(fd, "a", buffering=1)  # lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
     f.write(f"# pid {os.getpid()}\n")  # after the handler: the agent signals only a process that wrote this
     return f
@@ -73,9 +80,11 @@ class StackDumps:
         """Sends SIGUSR1 when the rank can answer it; False when it cannot (no handler, stopped, gone)."""
         path = stacks_path(self.run_dir, rank)
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+            fd = open_nofollow(path, os.O_RDONLY)
+        except OSError:  # missing, or a link: nothing this rank installed
             return False
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
         # The handler must be this process's: each incarnation appends its pid line once installed.
         if f"# pid {pid}\n".encode() not in data or is_stopped(pid):
             return False

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+from monitors.configfile import require_bool, require_int, require_number, require_strs
 from monitors.control import read_control
 from monitors.progress import ProgressReader
 from monitors.sections import COMPUTE_SECTIONS, SECTIONS
@@ -45,18 +46,17 @@ class StragglerConfig:
     scores: tuple[str, ...] = ("relative",)
 
     def __post_init__(self) -> None:
-        if not 0 < self.threshold <= 1:
-            raise ValueError(f"StragglerConfig.threshold must be in (0, 1], got {self.threshold}")
-        if self.report_interval_s <= 0:
-            raise ValueError(f"StragglerConfig.report_interval_s must be > 0, got {self.report_interval_s}")
-        if self.patience < 1 or self.min_steps < 1:
-            raise ValueError("StragglerConfig.patience and min_steps must be >= 1")
+        require_bool(self.enabled, "straggler.enabled")
+        require_number(self.threshold, "straggler.threshold", above=0, high=1)
+        require_number(self.report_interval_s, "straggler.report_interval_s", above=0)
+        require_int(self.patience, "straggler.patience", low=1)
+        require_int(self.min_steps, "straggler.min_steps", low=1)
         if self.policy not in POLICIES:
-            raise ValueError(f"StragglerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        if not self.sections or set(self.sections) - set(SECTIONS):
-            raise ValueError(f"StragglerConfig.sections must be a non-empty subset of {SECTIONS}")
-        if not self.scores or set(self.scores) - set(SCORES):
-            raise ValueError(f"StragglerConfig.scores must be a non-empty subset of {SCORES}")
+            raise ValueError(f"straggler.policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        self.sections = require_strs(self.sections, "straggler.sections", choices=SECTIONS)
+        self.scores = require_strs(self.scores, "straggler.scores", choices=SCORES)
+        if not self.sections or not self.scores:
+            raise ValueError("straggler.sections and straggler.scores must not be empty")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,7 @@ from monitors.persist import monitor_state_path, offered_state_path, take_offer
 from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
 from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
+from resilient_train.rundir import RunDirError, take_run_dir
 from resilient_train.spare import SPARE_READY_FD
 from resilient_train import exitcodes
 from resilient_train.store import Keys, attempt_store, current_generation, declare_fault, job_store, new_token, read_stop
@@ -149,13 +150,12 @@ class Agent:
         self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
 
     def _check_run_dir(self) -> None:
+        # Private to its owner, no links where the runtime writes, and locked for this job's life:
+        # a second job on the same run directory is refused (resilient_train.rundir).
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.run_dir / ".write-test"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as e:
-            raise AgentError(f"run directory {str(self.run_dir)!r} is not writable: {e.strerror or e}") from None
+            self._run_dir_lock = take_run_dir(self.run_dir)
+        except RunDirError as e:
+            raise AgentError(str(e)) from None
 
     def _host_store(self, port: int) -> dist.Store:
         """Hosts the store on ``--master-addr`` only (loopback by default), under a fresh secret namespace."""

@@ -45,15 +45,18 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from resilient_train.agent import Agent, AgentConfig, AgentError
-    from monitors import MonitorConfig
     from monitors.dashboard.server import DashboardConfig
+    from resilient_train.preflight import check_run_inputs
 
+    # Every bad flag is one line and exit 2 here, before any worker starts.
+    monitor = check_run_inputs(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, chaos=args.chaos,
+                               monitor_config=args.monitor_config)
     config = AgentConfig(
         script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port, run_dir=args.run_dir,
         max_restarts=args.max_restarts, warm_spare=not args.no_spare, chaos=args.chaos,
         dashboard=DashboardConfig(host=args.dashboard_host, port=args.dashboard_port) if args.dashboard else None,
-        **({"monitor": MonitorConfig.load(args.monitor_config)} if args.monitor_config else {}),
+        **({"monitor": monitor} if monitor is not None else {}),
     )
     try:
         agent = Agent(config)

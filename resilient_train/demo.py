@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from monitors import read_events
+from monitors import max_local_ranks, read_events
+from monitors.safefiles import writable_dir
 
 __all__ = ["run_demo", "summarize_recoveries"]
 
@@ -105,7 +106,9 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str = "runs/demo", tim
         raise ValueError(f"--steps must be at least 6 for the faults to land mid-run, got {steps}")
     if nproc < 2:
         raise ValueError(f"--nproc-per-node must be at least 2, got {nproc}")
-    root = Path(run_dir)
+    if nproc > max_local_ranks():
+        raise ValueError(f"--nproc-per-node {nproc}: at most {max_local_ranks()} ranks on this node (4 per CPU core)")
+    root = writable_dir(run_dir, "--run-dir")
     faults = _faults(steps, nproc)
     print(f"resilient-train demo: a small GPT on {nproc} CPU ranks, {steps} steps, twice.")
     for f in faults:

@@ -1,0 +1,91 @@
+"""Creating files in a run directory without following links someone placed there.
+
+Every party of a run writes into the run directory: the agent, each rank, the
+checkpoint writer, the CLI. A symbolic link left under a name one of them
+writes (``.monitors/rank1.stacks`` pointing at ``~/.bashrc``) would have that
+party write through it, with its rights. Here the last path component is
+opened with ``O_NOFOLLOW`` (a link fails with ``ELOOP``), temporaries are
+created with ``O_EXCL`` (never an existing file), and a temporary replaces its
+target with ``rename``, which replaces a link itself, not what it points to.
+The directories above are the run directory's business (``resilient_train.rundir``:
+private to its owner).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["FILE_MODE", "append_bytes", "create_exclusive", "open_nofollow", "writable_dir", "write_atomic"]
+
+FILE_MODE = 0o644  # the run directory itself is 0o700: its files need no tighter mode to be private
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = FILE_MODE) -> int:
+    """``os.open`` that refuses a symbolic link as the last component (``OSError`` with ``ELOOP``)."""
+    return os.open(path, flags | _NOFOLLOW, mode)
+
+
+def create_exclusive(path: str | os.PathLike[str], mode: int = FILE_MODE) -> int:
+    """A new file for writing, opened read-write; a leftover at ``path`` (ours, from a crash) is removed first.
+
+    ``O_EXCL`` never opens what is already there, a link included.
+    """
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> Path:
+    """Replaces ``path`` by ``data`` (a temporary beside it, then a rename): readers see the old or the
+    new file, never a torn one, and a link at ``path`` is replaced, not written through."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = create_exclusive(tmp)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return path
+
+
+def append_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Appends ``data`` with one ``write`` (lines from several processes never interleave)."""
+    fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def writable_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a directory this process can create files in (made now), or ``ValueError`` naming
+    ``what`` (a command-line flag): a path that is a file must fail before any job starts, in one line."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{os.getpid()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))
+        os.unlink(probe)
+    except FileExistsError:
+        raise ValueError(f"{what} {str(p)!r} exists and is not a directory") from None
+    except OSError as e:
+        raise ValueError(f"{what} {str(p)!r} is not a writable directory: {e.strerror or e}") from None
+    return p
