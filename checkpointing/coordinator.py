@@ -15,7 +15,9 @@ A save that lost a rank can never complete: waiting the full timeout for it
 would freeze checkpointing (every later save skipped) and the job's exit. So
 the waits on other ranks poll the store (at most ``POLL_S`` apart) and, between
 polls, ask ``cancelled`` (the runtime's "this generation was declared failed");
-once it says so, the wait raises :class:`SaveCancelled` at once.
+once it says so, the wait raises :class:`SaveCancelled` at once. A rank that
+skips a step (its previous save still in flight) says so under ``skipped``:
+the others give that step up too, at once.
 """
 
 from __future__ import annotations
@@ -79,9 +81,13 @@ class StoreCoordinator:
         assert self._store is not None
         deadline = time.monotonic() + timeout
         delay = 0.005
+        skipped = key.rsplit("/", 1)[0] + "/skipped"
         while not self._store.check([key]):
             if self.is_cancelled():
                 raise SaveCancelled(f"cancelled while waiting for {what()} (a rank was lost: the generation moved)")
+            if self._store.check([skipped]):
+                raise SaveCancelled(f"given up while waiting for {what()}: rank {self._store.get(skipped).decode()} "
+                                    "skipped the step (its previous save was still in flight)")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"timed out after {timeout:g} s waiting for {what()}")
@@ -90,6 +96,17 @@ class StoreCoordinator:
 
     def _key(self, step: int, name: str) -> str:
         return f"{self._prefix}/{step}/{name}"
+
+    def skip(self, step: int) -> None:
+        """This rank will not save ``step``: every rank waiting on it gives the step up."""
+        if self._store is not None:
+            self._store.set(self._key(step, "skipped"), str(self._rank))
+
+    def unskip(self, step: int) -> None:
+        """This rank saves ``step`` after all (it skipped it before): its marker goes."""
+        key = self._key(step, "skipped")
+        if self._store is not None and self._store.check([key]) and self._store.get(key).decode() == str(self._rank):
+            self._store.delete_key(key)
 
     def report(self, step: int, report: Report) -> None:
         if self._store is None:

@@ -158,12 +158,14 @@ class CheckpointManager:
         if previous is not None and not previous.phase.terminal:
             if self.config.in_flight == InFlightPolicy.SKIP and not required:
                 self._events.emit("checkpoint_skipped", step=step, in_flight=previous.step, rank=self.rank)
+                self._coord.skip(step)  # the others give the step up at once instead of waiting for this rank
                 return SaveHandle(step, SavePhase.SKIPPED)
             self._events.emit("checkpoint_waiting", step=step, in_flight=previous.step, rank=self.rank,
                               required=required)
             previous.wait(self.config.timeout_s)
             if self._disk_full is not None:  # the save waited for ran out of space
                 raise DiskFullError(self._disk_full.message)
+        self._coord.unskip(step)  # a step this rank skipped before and saves now
         started = time.monotonic()
         self._writer.start()  # no-op once running; (re)starts a dead one without waiting for it
         local_keys = set(self.config.local_keys)

@@ -11,9 +11,11 @@ the next save starts a fresh writer.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -52,6 +54,7 @@ class WriterProcess:
             env=env,
             close_fds=True,
             restore_signals=False,  # keep the rank's signal dispositions (an ignored SIGXFSZ gives EFBIG)
+            preexec_fn=_die_with_parent,  # a writer outliving its rank could only fail to map the rank's buffers
         )
         self._buf = b""
         self._sent_version = -1
@@ -149,6 +152,13 @@ class _KillMidWrite:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+def _die_with_parent() -> None:
+    try:  # PR_SET_PDEATHSIG = 1: SIGKILL when the rank that started this writer dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _serve(rank: int) -> None:

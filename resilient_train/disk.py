@@ -54,7 +54,9 @@ class DiskCheckpoints:
 
     def on_generation(self, store: dist.Store, generation: int) -> None:
         # Saves of a failed generation never mix their reports with the next one's.
-        self._manager.set_store(dist.PrefixStore(Keys.gen_scope(generation, "ckpt"), store))
+        # A save that loses a rank fails at once for the others: the generation was declared failed.
+        self._manager.set_store(dist.PrefixStore(Keys.gen_scope(generation, "ckpt"), store),
+                                cancelled=lambda: store.check([Keys.fault(generation)]))
 
     def prepare(self, state: TrainState) -> None:
         """Starts the writer process and sizes the staging buffers now, not at the first save."""
@@ -62,14 +64,17 @@ class DiskCheckpoints:
             self._manager.prepare(self._state_dict(state))
             self._prepared = True
 
-    def save(self, state: TrainState) -> None:
-        """Saves the boundary ``state.step`` (the caller checked ``config.should_save``)."""
+    def save(self, state: TrainState, *, required: bool = False) -> None:
+        """Saves the boundary ``state.step`` (the caller checked ``config.should_save``).
+
+        ``required`` (the last step's save): never skipped for a save still in flight.
+        """
         extras = {}
         if self.rank == 0 and self.run_dir is not None:  # rank 0 writes the manifest
             monitors = read_monitor_state(self.run_dir)
             if monitors is not None:
                 extras[CHECKPOINT_EXTRAS_KEY] = monitors
-        self._manager.save(state.step, self._state_dict(state), extras=extras)
+        self._manager.save(state.step, self._state_dict(state), extras=extras, required=required)
 
     def load_agreed(self, state: TrainState, store: dist.Store, generation: int, *, timeout: float) -> int | None:
         """Every rank loads the same step: rank 0 picks the newest committed one.

@@ -8,6 +8,8 @@ code   meaning
 2      bad input: a one-line error, before any worker started
 16     rerun: a rank computed wrong results and was excluded (re-run elsewhere)
 17     rerun: validation failed on a genuine event; the last good state is saved
+28     stopped: the disk is full (a checkpoint or the final state could not be
+       written; restarting would fail the same way)
 93     stopped, do not requeue: a bug (an exception that reproduced on its
        replay), a misuse of the runtime, or no progress across attempts
 =====  ======================================================================
@@ -17,11 +19,12 @@ code   meaning
 
 from __future__ import annotations
 
-__all__ = ["BAD_INPUT", "FAILED", "OK", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
+__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "OK", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
 
 OK = 0
 FAILED = 1
 BAD_INPUT = 2
 RERUN_ELSEWHERE = 16
 VALIDATION_FAILED = 17
+DISK_FULL = 28  # checkpointing.EXIT_DISK_FULL
 STOPPED = 93

@@ -172,10 +172,11 @@ class CuptiPart(Part):
 class DiskPart(Part):
     """Periodic asynchronous disk checkpoints (and the fallback load, called by the loop)."""
 
-    def __init__(self, disk: DiskCheckpoints, enter: Callable[[str, int], None]) -> None:
+    def __init__(self, disk: DiskCheckpoints, enter: Callable[[str, int], None], *, steps: int) -> None:
         self.disk = disk
         self._enter = enter
         self._step = 0
+        self._last = steps  # the run's last step: its save is never skipped
 
     def on_generation(self, generation: int, store: dist.Store) -> None:
         self.disk.on_generation(store, generation)
@@ -187,7 +188,7 @@ class DiskPart(Part):
         self._step = state.step
         if self.disk.config.should_save(state.step):
             self._enter("checkpoint", state.step)  # the save alone is the checkpoint section
-            self.disk.save(state)
+            self.disk.save(state, required=state.step == self._last)
 
     def close(self) -> None:
         self._enter("checkpoint", self._step)  # a save in flight is finished (or given up) here

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from chaos import Fault, Phase, loads_faults
 from chaos.faults import RECOVERY_PHASES
-from checkpointing import CheckpointConfig
+from checkpointing import CheckpointConfig, is_disk_full
 from monitors import EventLog, ProgressReporter
 from monitors.cupti_kernels import CuptiConfig
 from monitors.stacks import install_stack_dump
@@ -204,7 +204,7 @@ class Supervisor:
         self.disk = (DiskCheckpoints(c.checkpoint, rank=rank, world_size=self.env.world_size, store=self.store,
                                      events=self.events, run_dir=self.run_dir) if c.checkpoint is not None else None)
         if self.disk is not None:
-            parts.append(DiskPart(self.disk, self._enter))
+            parts.append(DiskPart(self.disk, self._enter, steps=c.steps))
         self.snapshot: SnapshotPart | None = None
         if c.snapshot_every is not None:
             self.snapshot = SnapshotPart(c.snapshot_every, self._snapshot_local)
@@ -484,6 +484,8 @@ class Supervisor:
             return _S.FAILED
         if isinstance(exc, JoinError):
             return self._stop_job(str(exc), exc, exit_code=exitcodes.FAILED)
+        if is_disk_full(exc):  # every replacement would fail the same write
+            return self._stop_job(str(exc), None, exit_code=exitcodes.DISK_FULL)
         failure = classify(exc)
         step = self.ctx.step
         if failure.kind is FailureKind.USAGE:

@@ -167,3 +167,35 @@ def test_leftovers_are_removed_at_start_and_resume_and_fallback_are_told_on_stde
     ]
     removed = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint_leftovers_removed"]
     assert removed[0]["directories"] == ["step-3.tmp"]
+
+
+@pytest.mark.timeout(120)
+def test_a_step_one_rank_skips_is_given_up_by_the_others_at_once(tmp_path: Path) -> None:
+    """Rank 0 still has a save in flight and skips step 2; rank 1 (a replacement, nothing in flight) saves it.
+
+    Rank 1 must not wait for a verdict that never comes: its save fails as soon as rank 0's skip is known,
+    far inside the hour-long save timeout.
+    """
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30))
+
+    def client() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+
+    events = EventLog(tmp_path / "events.jsonl", source="test")
+    config = CheckpointConfig(directory=tmp_path / "ck", in_flight="skip", local_keys=("rng",), timeout_s=HOUR)
+    m0 = CheckpointManager(config, rank=0, world_size=2, store=client(), events=events)
+    m1 = CheckpointManager(config, rank=1, world_size=2, store=client(), events=events)
+    try:
+        first = m0.save(1, rank_state(1, 0))  # never joined by rank 1: stays in flight
+        assert m0.save(2, rank_state(2, 0)).phase == SavePhase.SKIPPED
+        lone = m1.save(2, rank_state(2, 1))
+        assert lone.wait(60) == SavePhase.FAILED
+        failed = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint_failed"]
+        assert any("rank 0 skipped the step" in e.get("reason", "") for e in failed), failed
+        assert first.phase != SavePhase.COMMITTED
+        # Checkpointing goes on: rank 1 joins step 1 late, and it commits.
+        assert m1.save(1, rank_state(1, 1)).wait(60) == SavePhase.COMMITTED
+        assert first.wait(60) == SavePhase.COMMITTED
+    finally:
+        m1.close(5)
+        m0.close(5)

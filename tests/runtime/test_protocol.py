@@ -109,3 +109,13 @@ def test_lifecycle_rejects_illegal_moves():
     life.to(SupervisorState.TRAINING)
     life.to(SupervisorState.RECOVERING)
     life.to(SupervisorState.JOINING)
+
+
+@pytest.mark.timeout(10)
+def test_exit_codes_agree_with_the_packages_that_define_them():
+    from checkpointing import EXIT_DISK_FULL
+    from resilient_train import exitcodes
+    from resilient_train.rerun import EXIT_RERUN_ELSEWHERE, EXIT_VALIDATION_FAILED
+
+    assert exitcodes.DISK_FULL == EXIT_DISK_FULL
+    assert (exitcodes.RERUN_ELSEWHERE, exitcodes.VALIDATION_FAILED) == (EXIT_RERUN_ELSEWHERE, EXIT_VALIDATION_FAILED)
