@@ -109,17 +109,37 @@ class GradientReducer:
         self._done: list[torch.futures.Future] | None = None  # one per chunk, made with the buffer's device
         self._world = 1
         self.reduced = False  # the vote chunk went out this step
+        self._solo_vote: float | None = None  # a world of one: the vote never leaves the host
 
     def vote_sum(self) -> float:
         """Every rank's vote added up; waits for the reduction (on a GPU, for its kernels)."""
-        assert self.reduced and self._flat is not None and self._done is not None, "no reduction this step"
+        assert self.reduced, "no reduction this step"
+        if self._solo_vote is not None:
+            return self._solo_vote
+        assert self._flat is not None and self._done is not None
         self._done[-1].wait()
         return float(self._flat[self.layout.vote_index])
+
+    def _solo(self, grads: list[torch.Tensor]) -> None:
+        """A world of one: nothing to reduce or copy; the hooks still see the gradients, the vote is cast."""
+        if self.hooks.before_chunk is not None:
+            self.hooks.before_chunk(grads, True)
+        self._solo_vote = self.hooks.vote()
+        self.reduced = True
+
+    def _world_size(self) -> int:
+        return dist.get_world_size(self.hooks.group()) if dist.is_initialized() else 1
 
     # ----------------------------------------------------------- all at once
     def reduce_all(self) -> None:
         """Averages the parameters' gradients in place across the group (after backward)."""
         L = self.layout
+        if self._world_size() == 1:
+            for p in L.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._solo([p.grad for p in L.params])  # type: ignore[misc]
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in L.params]
         flat = self._begin(grads[0].device)
         torch._foreach_copy_([L.view(flat, i) for i in range(len(L.params))], [g.view_as(p) for g, p in zip(grads, L.params)])
@@ -142,6 +162,13 @@ class GradientReducer:
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         L = self.layout
         buffer = bucket.buffer()
+        if self._world_size() == 1:
+            self._arrived[0] += len(bucket.parameters())
+            if self._arrived[0] == len(L.params):  # the last bucket of the step
+                self._solo(list(bucket.gradients()))
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(buffer)
+            return done
         flat = self._begin(buffer.device)
         indices = [L.index[id(p)] for p in bucket.parameters()]
         mine = [L.view(flat, i) for i in indices]
@@ -166,7 +193,7 @@ class GradientReducer:
         if self._done is None:
             devices = [device] if device.type == "cuda" else None
             self._done = [torch.futures.Future(devices=devices) for _ in self.layout.chunks]
-            self._world = dist.get_world_size(self.hooks.group()) if dist.is_initialized() else 1
+            self._world = self._world_size()
         return self._flat
 
     def _launch_ready(self, flat: torch.Tensor) -> None:

@@ -82,6 +82,7 @@ class HostSnapshot:
         self.local: bytes = b""
         self._stream: Any = None
         self._done: Any = None  # torch.cuda.Event of the copy in flight
+        self._begun: Any = None
 
     @property
     def step(self) -> int | None:
@@ -105,9 +106,11 @@ class HostSnapshot:
                 self._stream = torch.cuda.Stream(device=tensors[cuda[0]].device)
             self._stream.wait_stream(torch.cuda.current_stream(tensors[cuda[0]].device))
             with torch.cuda.stream(self._stream):
+                self._begun = torch.cuda.Event(enable_timing=True)
+                self._begun.record(self._stream)
                 torch._foreach_copy_([self.buffers[i] for i in cuda], [tensors[i].detach() for i in cuda],
                                      non_blocking=True)
-                self._done = torch.cuda.Event()
+                self._done = torch.cuda.Event(enable_timing=True)
                 self._done.record(self._stream)
             self._copying = step
         else:
@@ -117,7 +120,14 @@ class HostSnapshot:
     def before_update(self) -> None:
         """Called before the optimizer changes the state: it must wait for a copy in flight (on the device)."""
         if self._copying is not None and self._done is not None:
-            torch.cuda.current_stream(self._done.device if hasattr(self._done, "device") else None).wait_event(self._done)
+            torch.cuda.current_stream().wait_event(self._done)
+
+    def copy_seconds(self) -> float | None:
+        """How long the last device-to-host copy took on its side stream (None on CPU)."""
+        if self._done is None or self._begun is None:
+            return None
+        self._done.synchronize()
+        return self._begun.elapsed_time(self._done) / 1000
 
     def synchronize(self) -> None:
         if self._done is not None:

@@ -175,7 +175,9 @@ class Supervisor:
                 self.lifecycle.to(nxt)
         finally:
             self._watcher.close()
-            destroy_group(self.device)
+            for handle in self._hooks:
+                handle.remove()
+            self._release_group()
             for part, error in self.parts.close():
                 self.events.emit("part_close_failed", rank=self.env.rank, part=part, error=error[:500])
                 print(f"resilient-train: rank {self.env.rank}: {part} did not close cleanly: {error.splitlines()[0]}",
@@ -222,8 +224,7 @@ class Supervisor:
                                vote=self._vote, moved=lambda: self._watcher.moved.is_set(), decide=self._decide,
                                before_update=self._before_update,
                                on_optimizer=lambda: self._auto_phase(Phase.OPTIMIZER.value))
-        if state.optimizer is not None:
-            state.optimizer.register_step_pre_hook(self.gate.pre_hook)
+        self._hooks = [state.optimizer.register_step_pre_hook(self.gate.pre_hook)] if state.optimizer is not None else []
         self._guard = BufferGuard(state.model)
         self._reducer: GradientReducer | None = None  # ctx.average_gradients(), made on first use
 
