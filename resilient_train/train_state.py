@@ -13,6 +13,7 @@ Two parts, because they heal differently:
 
 from __future__ import annotations
 
+import array
 import random
 import sys
 from typing import Any, Mapping, Protocol, runtime_checkable
@@ -96,7 +97,8 @@ def restore_rng(rng: dict[str, Any], use: RngUse | None = None) -> None:
 
 def _to_plain(state: tuple) -> list:
     version, internal, gauss = state
-    return [version, torch.tensor(internal, dtype=torch.int64), gauss]
+    # A tensor of the 625 words: a few KB that serialize in one piece (a list pickles word by word).
+    return [version, torch.frombuffer(array.array("q", internal), dtype=torch.int64).clone(), gauss]
 
 
 def _to_tuple(state: list) -> tuple:
