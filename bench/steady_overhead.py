@@ -9,7 +9,9 @@ same model and optimizer (training simply goes on from block to block):
 * ``snap1``/``snap10``: the same with a host snapshot every 1 / 10 steps.
 
 Printed: the median step time of each variant and its ratio to ``plain``, and
-the peak host memory (VmHWM, reset before each block) and its ratio. On a GPU
+the peak host memory (VmHWM, reset before the variant's first block, in the
+first round: plain and sup run before any snapshot's pinned buffers exist)
+and its ratio. On a GPU
 also: how long the snapshot's device-to-host copy took on its side stream
 (CUDA events), and what the DDP hook's two gradient copies would cost at more
 than one rank (they are skipped at one), timed alone.
@@ -197,12 +199,13 @@ def summarize(data: dict[str, Any]) -> str:
     for size in sorted({r["batch"] for r in res}):
         by = {v: [r for r in res if r["batch"] == size and r["variant"] == v] for v in VARIANTS}
         base = statistics.median(r["step_s"] for r in by["plain"]) if by["plain"] else None
-        base_mem = max(r.get("VmHWM", 0) for r in by["plain"]) if by["plain"] else None
+        base_mem = by["plain"][0].get("VmHWM", 0) if by["plain"] else None
         for v, rs in by.items():
             if not rs:
                 continue
             step = statistics.median(r["step_s"] for r in rs)
-            mem = max(r.get("VmHWM", 0) for r in rs)
+            # The first block of each variant: a snapshot's pinned buffers stay with the process after its block.
+            mem = rs[0].get("VmHWM", 0)
             notes = ""
             if "snapshot_copy_s" in rs[-1] and rs[-1]["snapshot_copy_s"] is not None:
                 notes = (f"snapshot {rs[-1]['snapshot_gib']:.1f} GiB, side-stream copy "

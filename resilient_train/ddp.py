@@ -47,6 +47,9 @@ class ReplicatedModule(torch.nn.Module):
         """Builds DDP on ``group``; only the first generation syncs the module from rank 0 (later ones heal)."""
         self.drop()  # the last generation's DDP goes first: it holds the old group
         kwargs = dict(self._kwargs)
+        # The gradients are DDP's buckets: DDP's own copies into and out of them go, which pays for the
+        # fixed-layout hook's two copies (the hook needs its layout; DDP's buckets are regrouped by DDP).
+        kwargs.setdefault("gradient_as_bucket_view", True)
         if not first:
             kwargs.setdefault("init_sync", False)
         ddp = DDP(self.module, process_group=group, **kwargs)
