@@ -1,7 +1,6 @@
 """The anchor for bench/recovery.py: the same GPT under plain torchrun.
 
-Plain data parallelism (the same fixed-layout gradient all-reduce as the
-supervisor), a synchronous torch.distributed.checkpoint save every
+Plain DDP, a synchronous torch.distributed.checkpoint save every
 ``--ckpt-every`` steps, and a resume from the newest one when torchrun restarts
 the workers. It SIGKILLs rank ``--kill-rank`` at step ``--kill-step`` in the
 first attempt only. Steps go to ``--events`` as JSON lines.
@@ -25,7 +24,6 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from train_gpt import GPT, GPTConfig, batch  # noqa: E402
 
-from resilient_train.dataparallel import GradientAverager  # noqa: E402
 
 
 def log(path: str, **fields) -> None:
@@ -56,7 +54,6 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(7919 + rank)
     random.seed(7919 + rank)
-    average = GradientAverager(model.parameters())
     start = 0
     ckpts = sorted(Path(args.ckpt_dir).glob("step-*"), key=lambda d: int(d.name.split("-")[1]))
     ckpts = [d for d in ckpts if (d / ".metadata").exists()]
@@ -72,6 +69,7 @@ def main() -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = int(ckpts[-1].name.split("-")[1])
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
     if rank == 0:
         log(args.events, event="resumed", step=start, attempt=attempt)
     for step in range(start, args.steps):
@@ -79,10 +77,9 @@ def main() -> int:
             log(args.events, event="fault_injected", step=step, rank=rank)
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(0, step, rank, size=args.batch, cfg=cfg, device=torch.device("cpu"))
-        loss = model(x, y)
+        loss = ddp(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        average()
         opt.step()
         if (step + 1) % args.ckpt_every == 0:
             dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},

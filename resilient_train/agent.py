@@ -42,6 +42,9 @@ from resilient_train.store import Keys, attempt_store, current_generation, decla
 __all__ = ["Agent", "AgentConfig", "AgentError", "WorkerState"]
 
 
+SPARE_AFTER_RECOVERY_S = 3.0  # a replacement's spare starts this long after it was handed out
+
+
 class AgentError(RuntimeError):
     """A reason to stop, phrased for a one-line message."""
 
@@ -138,6 +141,7 @@ class Agent:
         self._spare_ready_fd: int | None = None
         self._stop_code: int | None = None  # a worker asked the whole job to stop with this code
         self._stop_reason: str | None = None
+        self._spare_due: float | None = None  # when to start the next warm spare (monotonic)
         # The computed hang timeouts outlive the agent: a job restarted in this run directory keeps them.
         self._monitor_state = monitor_state_path(self.run_dir)
         try:
@@ -275,6 +279,9 @@ class Agent:
             while True:
                 self._poll_workers()
                 self._poll_monitor()
+                if self._spare_due is not None and time.monotonic() >= self._spare_due:
+                    self._spare_due = None
+                    self._start_spare()
                 if self._stop_code is not None:
                     reason = self._stop_reason or "the rerun policy stopped the job"
                     self._stop_workers()
@@ -376,7 +383,9 @@ class Agent:
         if self.store.check([Keys.supervised(w.rank)]):
             declare_fault(self.store, g, {"rank": w.rank, "kind": cause["kind"], "how": how, "time": time.time()})
             self._spawn(w.rank, current_generation(self.store), replacement=True)
-            self._start_spare()
+            # The next spare imports torch later: started now, it would take the CPU from the ranks
+            # recovering (on a small host the replacement's first step ran several times slower).
+            self._spare_due = time.monotonic() + SPARE_AFTER_RECOVERY_S
         else:
             self._restart_all(f"rank {w.rank} died ({how})")
 

@@ -276,8 +276,10 @@ class Supervisor:
         self._rebuild_ddp(first=plan.source is ResumeSource.START)
         if self._on_new_group is not None:
             self._on_new_group()
-        adopt_user_ddp(state.model, self.group, lambda: self._new_reducer(state.model.parameters()),  # type: ignore[arg-type]
-                       plan.generation)
+            # A DDP the script builds itself is built here: it gets the fixed-layout hook, and one kept from an
+            # earlier generation is a misuse (the search walks the heap: only where it can find something).
+            adopt_user_ddp(state.model, self.group, lambda: self._new_reducer(state.model.parameters()),  # type: ignore[arg-type]
+                           plan.generation)
         self.parts.on_restored(state)
         self._timings["heal_s"] = time.monotonic() - t0
         self._report_recovery(plan)

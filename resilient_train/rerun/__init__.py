@@ -1,6 +1,6 @@
 """The rerun state machine: tell transient faults, broken ranks and real numerical events apart.
 
-See shared/DESIGN.md, "Rerun state machine". :mod:`.validators` is usable on
+See docs/design.md, "Rerun state machine". :mod:`.validators` is usable on
 its own; :mod:`.machine` holds the states and the transition table;
 :mod:`.policy` the configuration, exit codes and decision rules; :mod:`.driver`
 the in-rank flow the supervisor runs after every step.
