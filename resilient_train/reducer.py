@@ -105,7 +105,7 @@ class GradientReducer:
         """Forgets the last step's reduction (called at the start of every step)."""
         n = len(self.layout.chunks)
         self._arrived = [0] * n
-        self._next = 0  # the next chunk to launch: chunks go out in order, the same on every rank
+        self._launched = [False] * n
         self._done: list[torch.futures.Future] | None = None  # one per chunk, made with the buffer's device
         self._world = 1
         self.reduced = False  # the vote chunk went out this step
@@ -197,18 +197,29 @@ class GradientReducer:
         return self._flat
 
     def _launch_ready(self, flat: torch.Tensor) -> None:
+        """Launches every chunk whose parameters all arrived; the vote's chunk goes last.
+
+        Chunks go out as they fill, which is the order DDP's buckets arrive in: the
+        same on every rank. A chunk's bits do not depend on when it goes out, only
+        on its fixed content. The vote goes out once every other chunk has, so it
+        is cast with every gradient of the rank at hand.
+        """
         L = self.layout
         assert self._done is not None
-        while self._next < len(L.chunks) and self._arrived[self._next] == len(L.chunk_params[self._next]):
-            c = self._next
-            last = c == len(L.chunks) - 1
+        vote_chunk = len(L.chunks) - 1
+        for c in [*range(vote_chunk), vote_chunk]:
+            if self._launched[c] or self._arrived[c] != len(L.chunk_params[c]):
+                continue
+            last = c == vote_chunk
+            if last and not all(self._launched[:vote_chunk]):
+                continue
             if self.hooks.before_chunk is not None:
                 self.hooks.before_chunk([L.view(flat, i) for i in L.chunk_params[c]], last)
             if last:
                 flat[L.vote_index] = self.hooks.vote()
                 self.reduced = True
             self._reduce_chunk(flat, c, self._done[c])
-            self._next += 1
+            self._launched[c] = True
 
     def _reduce_chunk(self, flat: torch.Tensor, c: int, done: torch.futures.Future) -> None:
         start, end = self.layout.chunks[c]
