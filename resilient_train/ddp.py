@@ -17,16 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import sys
+import traceback
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from resilient_train import env as envvars
+from resilient_train import exitcodes
 from resilient_train.errors import UsageError
 from resilient_train.reducer import GradientReducer
+from resilient_train.store import request_stop
 
-__all__ = ["ReplicatedModule", "find_ddp"]
+__all__ = ["ReplicatedModule", "adopt_user_ddp", "explain_ddp_before_run", "find_ddp"]
 
 
 class ReplicatedModule(torch.nn.Module):
@@ -131,3 +137,26 @@ def adopt_user_ddp(module: torch.nn.Module, group: dist.ProcessGroup, make_reduc
             make_reducer().register(ddp)
             adopted += 1
     return adopted
+
+
+def explain_ddp_before_run(store: dist.Store, rank: int) -> None:
+    """A DDP built before ``sup.run`` fails deep in torch; say in one line (once per job) what to do instead."""
+    previous = sys.excepthook
+
+    def hook(kind: type, exc: BaseException, tb: Any) -> None:
+        if isinstance(exc, (ValueError, RuntimeError)) and "process group has not been initialized" in str(exc):
+            torch_dir = os.path.dirname(torch.__file__)
+            frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(torch_dir)]
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+            reason = (f"a process group was used before sup.run built one{where}: wrap the model with "
+                      "sup.ddp(model), or build DDP in on_new_group")
+            try:
+                first = request_stop(store, {"rank": rank, "summary": reason, "exit_code": exitcodes.STOPPED})
+            except Exception:  # noqa: BLE001  (no store: say it anyway)
+                first = {"rank": rank}
+            if first.get("rank") == rank and os.environ.get(envvars.RT_AGENT) != "1":  # else the agent says it
+                print(f"resilient-train: error: {reason}", file=sys.stderr, flush=True)
+            os._exit(exitcodes.STOPPED)
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook

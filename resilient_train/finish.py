@@ -9,6 +9,7 @@ rank 0 dying while it writes is recovered like any other fault).
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -17,8 +18,9 @@ from resilient_train.errors import GenerationFailed
 from resilient_train.generation import RunFinished
 from resilient_train.store import Keys, wait_until
 from resilient_train.local_state import LocalSlots
+from resilient_train.train_state import TrainState
 
-__all__ = ["finish_run", "published_local_states"]
+__all__ = ["finish_run", "published_local_states", "write_final"]
 
 
 def finish_run(
@@ -54,3 +56,15 @@ def published_local_states(store: dist.Store, *, world_size: int, step: int) -> 
     """Every rank's local state (data position, RNG states) as published at ``step``."""
     slots = LocalSlots(store)
     return {r: slots.read_decoded(r, step) for r in range(world_size)}
+
+
+def write_final(store: dist.Store, state: TrainState, run_dir: Path, *, steps: int, world_size: int) -> Path:
+    """Rank 0: the whole job's state at its last step (every rank's local state from the store) to RUN_DIR/final."""
+    from checkpointing import write_state
+
+    locals_ = published_local_states(store, world_size=world_size, step=steps)
+    for local in locals_.values():
+        local.pop("rerun", None)  # the run's memory of faults, not training state
+    path = run_dir / "final"
+    write_state(path, state.state_dict(local_states=locals_), step=steps, extras={"world_size": world_size})
+    return path

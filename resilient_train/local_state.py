@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["LocalSlots", "decode_local", "encode_local"]
+__all__ = ["LocalSlots", "as_peer", "decode_local", "encode_local", "same_local"]
 
 
 def encode_local(sd: dict[str, Any]) -> bytes:
@@ -76,3 +76,25 @@ class LocalSlots:
             return None
         head, payload = self._store.get(key).split(b"\n", 1)
         return int(head), payload
+
+
+def same_local(a: Any, b: Any) -> bool:
+    """Equal local states: tensors by value, plain data by type and value."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_local(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_local(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def as_peer(sd: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A peer's local state, to compute as that peer: its CUDA RNG stream becomes this device's."""
+    theirs = sd.pop("rerun", {}).get("device")  # the machine is mid-flow: its own state stays
+    cuda = sd.get("rng", {}).get("cuda")
+    if cuda is not None and theirs is not None and device.type == "cuda" and theirs != device.index:
+        cuda = list(cuda)
+        cuda[device.index] = cuda[theirs]
+        sd["rng"]["cuda"] = cuda
+    return sd

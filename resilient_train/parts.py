@@ -9,18 +9,22 @@ few points. A part implements only the hooks it needs.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from chaos import Fault, Injector, Phase
+from chaos.faults import RECOVERY_PHASES
 from chaos.values import ValueFaults
 from monitors import ProgressReporter
 from monitors.cupti_kernels import CuptiConfig, CuptiKernelScores
 from monitors.events import EventLog
 from resilient_train.disk import DiskCheckpoints
 from resilient_train.snapshot import HostSnapshot
+from resilient_train.store import Keys
 from resilient_train.train_state import TrainState
 
 __all__ = ["ChaosPart", "CuptiPart", "DiskPart", "Part", "Parts", "ProgressPart", "SnapshotPart"]
@@ -121,18 +125,41 @@ class ProgressPart(Part):
 
 
 class ChaosPart(Part):
-    """Injected faults: at phases (kill, hang, raise, ...) and on values (NaN loss, flipped gradient bits)."""
+    """Injected faults: at phases (kill, hang, raise, ...) and on values (NaN loss, flipped gradient bits).
 
-    def __init__(self, faults: list[Fault], *, rank: int, claim: Callable[[int], bool],
-                 announce: Callable[[Fault], None]) -> None:
-        self.injector = Injector(faults, rank=rank, claim=claim, announce=announce)
-        self.values = ValueFaults(faults, rank=rank, claim=claim, announce=announce)
+    Each fault fires once per run, across replacements and launcher restarts:
+    its claim is a marker file in the run directory (or a store counter without one).
+    """
+
+    def __init__(self, faults: list[Fault], *, rank: int, store: dist.Store, run_dir: Path | None,
+                 events: EventLog, step: Callable[[], int]) -> None:
+        self._rank, self._store, self._run_dir, self._events, self._step = rank, store, run_dir, events, step
+        self._at = 0
+        self.injector = Injector(faults, rank=rank, claim=self._claim, announce=self._announce)
+        self.values = ValueFaults(faults, rank=rank, claim=self._claim, announce=self._announce)
+
+    def _claim(self, index: int) -> bool:
+        if self._run_dir is None:
+            return self._store.add(Keys.chaos_fired(index), 1) == 1
+        marker = self._run_dir / ".chaos" / f"fired-{index}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def _announce(self, fault: Fault) -> None:
+        step = self._at if fault.phase in RECOVERY_PHASES else self._step()  # a recovery's step is its resume step
+        self._events.emit("fault_injected", rank=self._rank, pid=os.getpid(), kind=fault.kind.value,
+                          phase=fault.phase.value, step=step)
 
     def __bool__(self) -> bool:
         return bool(self.injector) or bool(self.values)
 
     def on_phase(self, phase: str, step: int) -> None:
         if self.injector and phase in _PHASES:
+            self._at = step
             self.injector.at(Phase(phase), step)
 
     def on_loss(self, loss: torch.Tensor, step: int, data_rank: int) -> torch.Tensor:

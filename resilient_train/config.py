@@ -1,0 +1,46 @@
+"""The supervisor's configuration: one keyword-only dataclass (the agent's is ``AgentConfig``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from checkpointing import CheckpointConfig
+from monitors.cupti_kernels import CuptiConfig
+from resilient_train import env as envvars
+from resilient_train.reducer import DEFAULT_CHUNK_MB
+from resilient_train.rerun import RerunConfig
+
+__all__ = ["SupervisorConfig"]
+
+
+@dataclass(kw_only=True)
+class SupervisorConfig:
+    steps: int
+    backend: str = "auto"  # "gloo", "nccl", or "auto" (nccl when CUDA is available)
+    pg_timeout_s: float = 30.0  # gloo cannot be aborted: this bounds a collective stuck on a silent peer
+    join_timeout_s: float = 120.0
+    max_recoveries: int = 32  # in the whole run
+    max_failed_generations: int = 8  # in a row without a completed step: then the job stops
+    # Deterministic algorithms and one intra-op thread: bitwise verdicts (the chaos runner, the demo, the tests).
+    reproducible: bool = field(default_factory=lambda: os.environ.get(envvars.RT_REPRODUCIBLE) == "1")
+    snapshot_every: int | None = None  # a host snapshot every k steps (off: live replicas are the redundancy)
+    chunk_mb: float = DEFAULT_CHUNK_MB  # the gradient reduction's chunk size (fixed for the run)
+    write_final: bool = True
+    checkpoint: CheckpointConfig | None = None  # disk checkpoints (see resilient_train.disk)
+    watch_interval_s: float = 0.05
+    rerun: RerunConfig = field(default_factory=RerunConfig)  # result validation and re-runs (resilient_train.rerun)
+    # NVRx's CUPTI kernel scores, reported as events (needs the nvrx extra and CUDA; monitors.cupti_kernels)
+    cupti: CuptiConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1 or None, got {self.snapshot_every}")
+        if self.max_failed_generations < 1:
+            raise ValueError(f"max_failed_generations must be >= 1, got {self.max_failed_generations}")
+        if not self.chunk_mb > 0:
+            raise ValueError(f"chunk_mb must be > 0, got {self.chunk_mb}")

@@ -1,0 +1,83 @@
+"""The verdict on a failure: recover it, or stop the job (a bug, a misuse, a full disk, no progress).
+
+One rank's view, fed every failure it sees and every step it completes:
+
+* a collective or store error, or a generation another party declared failed,
+  is a fault: recover;
+* an exception of the step is recovered once; if the step's replay raises it
+  again (same type, message and place), it is a bug: stop, with the first
+  traceback;
+* a misuse of the runtime, a full disk, a world that never assembles: stop;
+* more than ``max_recoveries`` recoveries, or more than
+  ``max_failed_generations`` generations in a row without a completed step:
+  stop, naming the last failure.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+from checkpointing import is_disk_full
+from resilient_train import exitcodes
+from resilient_train.errors import Failure, FailureKind, UsageError, classify
+
+__all__ = ["Judge", "Stop"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stop:
+    """The job stops: ``reason`` is its one line; ``traceback`` is printed once (empty: none)."""
+
+    reason: str
+    exit_code: int = exitcodes.STOPPED
+    traceback: str = ""
+
+
+class Judge:
+    def __init__(self, *, max_recoveries: int, max_failed_generations: int) -> None:
+        self.max_recoveries = max_recoveries
+        self.max_failed_generations = max_failed_generations
+        self.recoveries = 0
+        self.without_progress = 0  # generations in a row that completed no step
+        self._last_exception: tuple[int, str, str] | None = None  # (step, signature, traceback)
+
+    def progress(self) -> None:
+        """A step completed."""
+        self.without_progress = 0
+
+    def failure(self, exc: BaseException, *, step: int, generation_moved: bool) -> Failure | Stop:
+        """The failure to recover from, or why the job stops."""
+        from resilient_train.generation import JoinError  # noqa: PLC0415  (generation imports this package's errors)
+
+        if isinstance(exc, JoinError):
+            return Stop(reason=str(exc), exit_code=exitcodes.FAILED, traceback=_text(exc))
+        if is_disk_full(exc):  # every replacement would fail the same write
+            return Stop(reason=str(exc), exit_code=exitcodes.DISK_FULL)
+        failure = classify(exc)
+        if failure.kind is FailureKind.USAGE:
+            return Stop(reason=str(exc), traceback="" if isinstance(exc, UsageError) else _text(exc))
+        # An exception raised while the generation was already failing is a consequence, never a verdict.
+        if failure.kind is FailureKind.EXCEPTION and not generation_moved:
+            last = self._last_exception
+            if last is not None and last[0] == step and last[1] == failure.signature:
+                return Stop(reason=f"{failure.summary} (raised again when step {step} was replayed)",
+                            traceback=last[2])
+            self._last_exception = (step, failure.signature, _text(exc))
+        return failure
+
+    def recovering(self, failure: Failure) -> Stop | None:
+        """Counts a recovery; a stop when a budget is spent."""
+        self.recoveries += 1
+        self.without_progress += 1
+        if self.recoveries > self.max_recoveries:
+            return Stop(reason=f"gave up after {self.max_recoveries} recoveries (last: {failure.summary})",
+                        exit_code=exitcodes.FAILED)
+        if self.without_progress > self.max_failed_generations:
+            return Stop(reason=f"{self.without_progress} generations in a row failed without completing a step "
+                               f"(last: {failure.summary})")
+        return None
+
+
+def _text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))

@@ -1,0 +1,190 @@
+"""One step, as the supervisor runs it: compute, vote, commit, and the rerun flow before any commit.
+
+The :class:`Stepper` owns what a step touches besides the user's code: the
+gradient reducers (``ctx.average_gradients()`` and each DDP's hook), the
+commit gate, the guard over buffers a forward pass changes, the publication
+of the next boundary's local state (just before the vote goes out), and
+``live``, the boundary the rank's replicated state is at (None while the
+optimizer is changing it). The supervisor owns generations and recoveries.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from chaos import Phase
+from monitors.events import EventLog
+from resilient_train.commit import BufferGuard, CommitGate, StepMeasured, StepRejected
+from resilient_train.context import StepContext, StepFn
+from resilient_train.errors import GenerationFailed
+from resilient_train.local_state import LocalSlots, as_peer, encode_local, same_local
+from resilient_train.parts import Parts
+from resilient_train.readout import LossReadout
+from resilient_train.reducer import GradientReducer, ReducerHooks
+from resilient_train.rerun.driver import Outcome
+from resilient_train.rerun.part import ComputeMode, RerunPart
+from resilient_train.train_state import TrainState
+
+__all__ = ["Stepper"]
+
+_PHASE_ORDER = {p.value: i for i, p in enumerate(
+    [Phase.BETWEEN_STEPS, Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.ALL_REDUCE, Phase.OPTIMIZER])}
+
+
+class Stepper:
+    def __init__(self, *, state: TrainState, ctx: StepContext, parts: Parts, rerun: RerunPart | None,
+                 slots: LocalSlots, events: EventLog, world_size: int, device: torch.device, chunk_mb: float,
+                 group: Callable[[], dist.ProcessGroup | None], moved: Callable[[], bool],
+                 training: Callable[[], bool]) -> None:
+        self.state, self.ctx, self.parts, self.rerun = state, ctx, parts, rerun
+        self._slots, self._events, self._device, self._chunk_mb = slots, events, device, chunk_mb
+        self._group, self._moved, self._training = group, moved, training
+        self.rank = ctx.rank
+        self.gate = CommitGate(world_size=world_size, group=group, device=device, vote=self._vote, moved=moved,
+                               decide=self._decide, before_update=self._before_update,
+                               on_optimizer=lambda: self.auto_phase(Phase.OPTIMIZER.value))
+        self._hooks = [state.optimizer.register_step_pre_hook(self.gate.pre_hook)] if state.optimizer else []
+        self.guard = BufferGuard(state.model)
+        self.loss = LossReadout()
+        self._reducer: GradientReducer | None = None  # ctx.average_gradients(), made on first use
+        self._mode = ComputeMode.COMMIT
+        self._warned_late_local = False
+        self.live: int | None = state.step  # the boundary the replicated state is at; None: torn or unknown
+        self.published: tuple[int, dict[str, Any]] | None = None
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+
+    # ------------------------------------------------------------ reducers
+    def new_reducer(self, params: Any) -> GradientReducer:
+        hooks = ReducerHooks(vote=self._vote, group=self._group,
+                             before_chunk=lambda views, last: self.parts.before_chunk(views, last, self.ctx.step))
+        reducer = GradientReducer(list(params), hooks, chunk_mb=self._chunk_mb)
+        self.gate.reducers.append(reducer)
+        return reducer
+
+    def reduce_gradients(self) -> None:
+        if self._reducer is None:
+            self._reducer = self.new_reducer(self.state.model.parameters())
+        self._reducer.reduce_all()
+
+    def reset_reducers(self) -> None:
+        """Drops every reducer's pending work (it holds the failed group)."""
+        for reducer in self.gate.reducers:
+            reducer.reset()
+
+    # ----------------------------------------------------------------- step
+    def run_step(self, step_fn: StepFn, step: int) -> None:
+        """One step, committed (or skipped by the rerun policy); re-run flows happen before the commit."""
+        mode = ComputeMode.COMMIT
+        while True:
+            try:
+                self._compute(step_fn, step, self.rank, mode)
+                return
+            except StepRejected as rejected:
+                assert self.rerun is not None, "a rejected step without the rerun machine"
+                self.rewind(step)
+                outcome = self.rerun.resolve(rejected, step, lambda as_rank: self._measure(step_fn, step, as_rank))
+                self.rewind(step)
+                if outcome is Outcome.SKIP:
+                    self.publish_local(step + 1)  # the batch is skipped: the boundary's state carries over
+                    return
+                mode = ComputeMode.ACCEPT
+
+    def end_boundary(self) -> None:
+        """The step ended (``state.step`` advanced): what was published at its vote must be this boundary."""
+        self.live = self.state.step
+        now = self.state.local_state_dict()
+        if self.published is None or self.published[0] != self.state.step or not same_local(now, self.published[1]):
+            self.publish_local(self.state.step)
+            if not self._warned_late_local:
+                self._warned_late_local = True
+                self._events.emit("local_state_changed_after_reduction", rank=self.rank, step=self.state.step)
+        self.guard.mark()
+
+    def rewind(self, step: int, as_rank: int | None = None) -> None:
+        """Back to boundary ``step`` before its commit: gradients dropped, ``as_rank``'s local state loaded."""
+        self.discard_gradients()
+        self.guard.restore()
+        sd = self._slots.read_decoded(self.rank if as_rank is None else as_rank, step)
+        if as_rank is not None and as_rank != self.rank:
+            sd = as_peer(sd, self._device)
+        self.state.load_local(sd)
+
+    def discard_gradients(self) -> None:
+        for p in self.state.model.parameters():
+            p.grad = None
+
+    def publish_local(self, step: int) -> None:
+        sd = self.state.local_state_dict()
+        sd["step"] = step
+        self._slots.publish(self.rank, step, encode_local(sd))
+        self.published = (step, sd)
+
+    def restored(self, step: int) -> None:
+        """The state stands at boundary ``step`` after a restore (its local state is in the store already)."""
+        self.live = step
+        self.published = (step, self.state.local_state_dict())
+        self.gate.begin_step()
+        self.discard_gradients()
+        self.guard.mark()
+
+    def auto_phase(self, phase: str) -> None:
+        """A phase the runtime sees by itself (DDP's forward and backward, the reduction, the commit).
+
+        Only forward moves: a script that marks its phases with ``ctx.enter`` is not overridden.
+        """
+        if self._training() and _PHASE_ORDER.get(phase, 0) > _PHASE_ORDER.get(self.ctx.phase.value, 0):
+            self.ctx.enter(phase)
+
+    # -------------------------------------------------------------- inside
+    def _compute(self, step_fn: StepFn, step: int, as_rank: int, mode: ComputeMode) -> Any:
+        self.ctx.step, self.ctx.data_rank = step, as_rank
+        self._mode = mode
+        if self.rerun is not None:
+            self.rerun.begin(mode)
+        self.gate.begin_step()
+        self.ctx.phase = Phase.BETWEEN_STEPS
+        self.auto_phase(Phase.DATA.value)
+        out = step_fn(self.ctx)
+        self.gate.commit()  # the optimizer never stepped (or there is none): the step still needs its vote
+        self.ctx.data_rank = self.rank
+        self.loss.note(out)
+        return out
+
+    def _measure(self, step_fn: StepFn, step: int, as_rank: int) -> Any:
+        """Computes ``step`` as ``as_rank`` up to its commit (a re-run); returns its result."""
+        self.rewind(step, as_rank)
+        try:
+            self._compute(step_fn, step, as_rank, ComputeMode.MEASURE)
+        except StepMeasured:
+            pass
+        finally:
+            self.ctx.data_rank = self.rank
+        assert self.rerun is not None
+        return self.rerun.result()
+
+    def _vote(self) -> float:
+        """This rank's vote on the step, cast just before it goes out in the reduction."""
+        self.auto_phase(Phase.ALL_REDUCE.value)
+        if self._moved():
+            return 0.0  # abstain: the generation is over, nobody may commit
+        vote = self.rerun.vote() if self.rerun is not None else 1.0
+        if self._mode is not ComputeMode.MEASURE and not math.isnan(vote):
+            self.publish_local(self.ctx.step + 1)
+        return vote
+
+    def _decide(self, total: float) -> None:
+        if self.rerun is not None:
+            self.rerun.at_gate(self.ctx.step, total)
+        elif math.isnan(total):
+            raise GenerationFailed("the commit vote came back NaN (a collective aborted mid-way)")
+
+    def _before_update(self) -> None:
+        self.live = None  # from here until the step ends, the state is between two boundaries
+        self.parts.before_update()
