@@ -15,6 +15,7 @@ back here (the only place this package touches torch's private state):
 from __future__ import annotations
 
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from resilient_train.store import Keys
 
-__all__ = ["abort_nccl", "build_group", "destroy_group"]
+__all__ = ["abort_nccl", "build_group", "destroy_group", "release_in_background"]
 
 
 def _reset_counter() -> None:
@@ -33,7 +34,7 @@ def _reset_counter() -> None:
 def build_group(store: dist.Store, generation: int, *, rank: int, world_size: int, backend: str,
                 timeout_s: float, device: torch.device) -> dist.ProcessGroup:
     if dist.is_initialized():
-        destroy_group(device)
+        release_in_background([g] if (g := destroy_group(device)) is not None else [])
     _reset_counter()
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     hook = sys.excepthook
@@ -52,16 +53,35 @@ def build_group(store: dist.Store, generation: int, *, rank: int, world_size: in
     return group
 
 
-def destroy_group(device: torch.device) -> None:
-    """Tears the default group down (aborting NCCL first); a broken group has nothing left to release."""
-    if dist.is_initialized():
+def destroy_group(device: torch.device) -> dist.ProcessGroup | None:
+    """Unregisters the default group (aborting NCCL first) and returns it, or None if there was none.
+
+    The caller drops the returned object with :func:`release_in_background`: the
+    group's destructor joins gloo's worker threads, and one of them may sit in a
+    collective that only its timeout ends (gloo cannot abort one).
+    """
+    group = dist.group.WORLD if dist.is_initialized() else None
+    if group is not None:
         try:
             if device.type == "cuda":
                 abort_nccl()
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001  (a broken group has nothing left to release)
             pass
     _reset_counter()
+    return group
+
+
+def release_in_background(box: list[dist.ProcessGroup]) -> None:
+    """Drops the last reference to a destroyed group on a daemon thread.
+
+    ``box`` holds the only reference the caller has; it is emptied on that thread, so
+    the destructor, with its wait for a collective still in flight, blocks nobody.
+    """
+    def drop() -> None:
+        box.clear()
+
+    threading.Thread(target=drop, name="rt-release-group", daemon=True).start()
 
 
 def abort_nccl() -> None:

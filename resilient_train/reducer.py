@@ -108,8 +108,25 @@ class GradientReducer:
         self._launched = [False] * n
         self._done: list[torch.futures.Future] | None = None  # one per chunk, made with the buffer's device
         self._world = 1
+        self._in_flight: Any = None  # the last gloo work launched (see _reduce_chunk)
         self.reduced = False  # the vote chunk went out this step
         self._solo_vote: float | None = None  # a world of one: the vote never leaves the host
+
+    def forget(self) -> None:
+        """After a failure: forgets the step and the buffer, which a collective left running may still write."""
+        self.reset()
+        self._flat = None
+
+    def abort(self, error: Exception) -> None:
+        """Fails every chunk of this step not reduced yet, from any thread.
+
+        gloo cannot abort a collective: a rank left in one by peers that went on
+        to the next generation would wait in DDP's end of backward until the
+        group's timeout. Failing the chunks' futures releases it at once (the
+        collective itself ends in gloo's thread when its peers' connections go).
+        """
+        for fut in self._done or []:
+            _settle(fut, error=error)
 
     def vote_sum(self) -> float:
         """Every rank's vote added up; waits for the reduction (on a GPU, for its kernels)."""
@@ -167,7 +184,7 @@ class GradientReducer:
             if self._arrived[0] == len(L.params):  # the last bucket of the step
                 self._solo(list(bucket.gradients()))
             done: torch.futures.Future = torch.futures.Future()
-            done.set_result(buffer)
+            _settle(done, result=buffer)
             return done
         flat = self._begin(buffer.device)
         indices = [L.index[id(p)] for p in bucket.parameters()]
@@ -215,10 +232,15 @@ class GradientReducer:
                 continue
             if self.hooks.before_chunk is not None:
                 self.hooks.before_chunk([L.view(flat, i) for i in L.chunk_params[c]], last)
-            if last:
-                flat[L.vote_index] = self.hooks.vote()
-                self.reduced = True
-            self._reduce_chunk(flat, c, self._done[c])
+            try:
+                if last:
+                    flat[L.vote_index] = self.hooks.vote()
+                    self.reduced = True
+                self._reduce_chunk(flat, c, self._done[c])
+            except BaseException as e:
+                # Whoever waits on a chunk that will never go out (DDP's end of backward does) must see why.
+                self.abort(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+                raise
             self._launched[c] = True
 
     def _reduce_chunk(self, flat: torch.Tensor, c: int, done: torch.futures.Future) -> None:
@@ -226,7 +248,7 @@ class GradientReducer:
         piece = flat[start:end]
         world = self._world
         if world == 1:
-            done.set_result([piece])
+            _settle(done, result=[piece])
             return
         grads_end = end - 1 if end == self.layout.numel else end  # the vote is summed, never averaged
 
@@ -234,13 +256,33 @@ class GradientReducer:
             try:
                 f.value()  # raises the reduction's error, if any
             except Exception as e:  # noqa: BLE001  (handed to whoever waits on the chunk)
-                done.set_exception(e)
+                _settle(done, error=e)
                 return
             flat[start:grads_end].div_(world)
-            done.set_result([piece])
+            _settle(done, result=[piece])
 
+        if not piece.is_cuda and self._in_flight is not None:
+            # gloo: one reduction in flight at a time. A failed collective cannot be aborted, and a group
+            # whose worker threads still run one cannot be torn down: with several in flight, two ranks
+            # could each wait in one for the other until the group's timeout. Waiting here raises the
+            # first failure in this rank's backward, with nothing left pending.
+            self._in_flight.wait()
         work = dist.all_reduce(piece, group=self.hooks.group(), async_op=True)
+        self._in_flight = work
         work.get_future().then(finish)
+
+
+def _settle(fut: torch.futures.Future, *, result: Any = None, error: Exception | None = None) -> None:
+    """Completes ``fut`` unless it is already: an abort and a collective's end may race."""
+    if fut.done():
+        return
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except RuntimeError:  # completed meanwhile by the other side of the race
+        pass
 
 
 def _ddp_hook(reducer: GradientReducer, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -73,10 +73,16 @@ class Stepper:
             self._reducer = self.new_reducer(self.state.model.parameters())
         self._reducer.reduce_all()
 
+    def abort_reductions(self, reason: str) -> None:
+        """The generation moved (watcher thread): a rank waiting on a reduction is released at once."""
+        error = GenerationFailed(reason)
+        for reducer in self.gate.reducers:
+            reducer.abort(error)
+
     def reset_reducers(self) -> None:
         """Drops every reducer's pending work (it holds the failed group)."""
         for reducer in self.gate.reducers:
-            reducer.reset()
+            reducer.forget()
 
     # ----------------------------------------------------------------- step
     def run_step(self, step_fn: StepFn, step: int) -> None:

@@ -37,7 +37,7 @@ from resilient_train.disk import DiskCheckpoints
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
 from resilient_train.finish import finish_run, write_final
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
-from resilient_train.group import abort_nccl, build_group, destroy_group
+from resilient_train.group import abort_nccl, build_group, destroy_group, release_in_background
 from resilient_train.heal import receive_state, send_state
 from resilient_train.judge import Judge, Stop
 from resilient_train.lifecycle import Lifecycle, SupervisorState
@@ -112,7 +112,7 @@ class Supervisor:
         self.events.emit("run_start", rank=self.env.rank, pid=os.getpid(), world_size=self.env.world_size,
                          replacement=self.env.replacement, steps=self.config.steps, since_spawn_s=_since_spawn())
         self._watcher = GenerationWatcher(self.store, rank=self.env.rank, interval_s=self.config.watch_interval_s,
-                                          on_moved=self._abort_nccl)
+                                          on_moved=self._on_moved)
         self._fresh = not self.env.replacement
         self._new_process = True
         self.judge = Judge(max_recoveries=self.config.max_recoveries,
@@ -303,14 +303,24 @@ class Supervisor:
         A gloo group closes its connections only when its last reference goes:
         while a DDP, a pending reduction or a frame holds it, peers blocked in a
         collective with this rank wait for the full group timeout instead of
-        failing at once.
+        failing at once. The last reference is dropped on a daemon thread: the
+        destructor waits for gloo's worker threads, and one may sit in a
+        collective that only the timeout ends (seen at 4 ranks: 30 s).
         """
         self.stepper.reset_reducers()
         for wrapped, _ in self._ddps:
             wrapped.drop()
         self.group = None
-        destroy_group(self.device)
+        box = [g] if (g := destroy_group(self.device)) is not None else []
+        del g
         gc.collect()
+        if box and sys.getrefcount(box[0]) > 2:  # the box and getrefcount's own argument
+            # Something else holds the group (a DDP built by the script, a frame): its connections stay
+            # open, and peers blocked in a collective with this rank wait for the group's timeout.
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(box[0])} - {"list", "frame"})
+            self.events.emit("group_still_referenced", rank=self.env.rank, generation=self.generation,
+                             holders=holders)
+        release_in_background(box)
 
     def _rebuild_ddp(self, *, first: bool) -> None:
         for i, (wrapped, reducer) in enumerate(self._ddps):
@@ -408,6 +418,11 @@ class Supervisor:
 
     def _on_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.parts.on_loss(loss, self.ctx.step, self.ctx.data_rank)
+
+    def _on_moved(self) -> None:
+        """Watcher thread: the generation was declared failed; release the main thread from its collectives."""
+        self.stepper.abort_reductions(f"generation {self.generation} was declared failed")
+        self._abort_nccl()
 
     def _abort_nccl(self) -> None:
         # NCCL can be aborted from another thread; gloo cannot, and relies on the dead peer's closed sockets.
