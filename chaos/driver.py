@@ -58,7 +58,8 @@ class JobRun:
 
 def _command(job: JobSpec, run_dir: Path, faults_json: str, monitor_file: str | None, max_restarts: int) -> list[str]:
     cmd = [sys.executable, "-m", "resilient_train.cli", "run", "--nproc-per-node", str(job.ranks),
-           "--run-dir", str(run_dir), "--max-restarts", str(max_restarts)]
+           "--run-dir", str(run_dir), "--max-restarts", str(max_restarts),
+           "--max-replacements", str(max_restarts)]
     if not job.spare:
         cmd.append("--no-spare")
     if monitor_file:

@@ -70,14 +70,20 @@ def straggler_main(argv: list[str], out: TextIO | None = None) -> int:
     return 0
 
 
-def _alive(pid: int) -> bool:
+def _process_state(pid: int) -> str:
+    """"alive", "stopped" (SIGSTOP, a debugger: state T or t) or "exited"; a zombie has exited."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        state = stat[stat.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "exited"
+        except PermissionError:
+            return "alive"
+        return "alive"
+    return {"T": "stopped", "t": "stopped", "Z": "exited", "X": "exited"}.get(state, "alive")
 
 
 def _fmt(v: float | None, spec: str = ".3f") -> str:
@@ -118,9 +124,12 @@ def _status(run: Path, out: TextIO) -> int:
     w = lambda s="": print(s, file=out)  # noqa: E731
 
     start = kinds.get("run_start", [{}])[0]
-    ended = kinds.get("run_end", [])
+    # The agent's end is the job's (a plain script has no run_end); without an agent, the ranks' run_end.
+    ended = kinds.get("agent_end", []) or kinds.get("run_end", [])
     state = "finished" if ended else ("running" if events else "no events yet")
-    if ended and "status" in ended[-1]:
+    if ended and ended[-1].get("event") == "agent_end" and not ended[-1].get("ok", True):
+        state = f"stopped: {ended[-1].get('reason', '?')} (exit code {ended[-1].get('exit_code', 1)})"
+    elif ended and "status" in ended[-1]:
         state += f" ({ended[-1]['status']})"
     w(f"run {run}: {state}")
     if "time" in start:
@@ -149,8 +158,8 @@ def _status(run: Path, out: TextIO) -> int:
             w(f"  {rank:>4} {'-':>8} {'-':<8} {'-':>7} {'-':<14} {'-':>7} "
               f"{_fmt(sc.get('step_s'), '.4f'):>8} {_fmt(sc.get('relative')):>8} {_fmt(sc.get('individual')):>8}")
             continue
-        live = "done" if snap.closed else ("alive" if _alive(snap.pid) else "exited")
-        idle = now - snap.last_progress_s if live == "alive" else None
+        live = "done" if snap.closed else _process_state(snap.pid)
+        idle = now - snap.last_progress_s if live in ("alive", "stopped") else None
         recs = reader.steps(snap, snap.steps_done - 50)
         if len(recs) >= 2 and recs[-1].end_s > recs[0].end_s:
             rates.append((len(recs) - 1) / (recs[-1].end_s - recs[0].end_s))

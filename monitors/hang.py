@@ -12,6 +12,12 @@ section's timeout. Timeouts are, in order of precedence:
    ``min_observations`` times across ranks;
 4. ``default_timeout`` otherwise.
 
+Only ranks that report progress are watched: a rank with no slot (a plain
+torchrun script that neither uses the Supervisor nor calls
+``resilient_train.heartbeat``) is never taken for hung, however long it runs.
+A respawned rank whose predecessor reported (``reset(..., expect_progress=True)``)
+is watched from its spawn, so a replacement stuck in start-up is caught.
+
 The observed maxima are merged across ranks and across respawns, and export to
 plain JSON data (``state_dict``) so a checkpoint can carry them.
 """
@@ -92,6 +98,7 @@ class HangDetector:
         self._readers = {r: ProgressReader(run_dir, r) for r in ranks}
         now = time.monotonic()
         self._since = {r: now for r in self._readers}  # start of the startup window
+        self._expected: set[int] = set()  # ranks watched before they write a slot (see reset)
         self._stale: dict[int, tuple[int, int, int] | None] = {r: None for r in self._readers}
         self._max: dict[str, float] = {}
         self._count: dict[str, int] = {}
@@ -105,8 +112,16 @@ class HangDetector:
     def ranks(self) -> list[int]:
         return sorted(self._readers)
 
-    def reset(self, rank: int, now: float | None = None) -> None:
-        """``rank`` was (re)spawned: ignore its old slot and give it a start-up window."""
+    def reset(self, rank: int, now: float | None = None, *, expect_progress: bool = False) -> None:
+        """``rank`` was (re)spawned: ignore its old slot and give it a start-up window.
+
+        With ``expect_progress`` (its predecessor reported progress), the window is
+        watched before the new process writes a slot; otherwise only once it does.
+        """
+        if expect_progress:
+            self._expected.add(rank)
+        else:
+            self._expected.discard(rank)
         if rank not in self._readers:
             self._readers[rank] = ProgressReader(self.run_dir, rank)
         snap = self._readers[rank].read()
@@ -120,6 +135,7 @@ class HangDetector:
             reader.close()
         for d in (self._since, self._stale, self.last):
             d.pop(rank, None)
+        self._expected.discard(rank)
 
     def timeout(self, section: str) -> float:
         """The timeout applied now to a rank in ``section``."""
@@ -152,6 +168,8 @@ class HangDetector:
             return []
         hangs = []
         for rank, snap in live.items():
+            if snap is None and rank not in self._expected:
+                continue  # never reported progress: not watched
             if snap is None or snap.counter == 0:
                 section, step, pid = "startup", -1, (snap.pid if snap else None)
                 since = now - (self._since[rank] if snap is None else max(self._since[rank], snap.started_s))

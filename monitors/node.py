@@ -148,9 +148,9 @@ class NodeMonitor:
     def prometheus_url(self) -> str | None:
         return self._prometheus.url if self._prometheus else None
 
-    def reset(self, rank: int, now: float | None = None) -> None:
-        """``rank`` was respawned (after a crash, a hang or a replacement)."""
-        self.hangs.reset(rank, now)
+    def reset(self, rank: int, now: float | None = None, *, expect_progress: bool = False) -> None:
+        """``rank`` was respawned (after a crash, a hang or a replacement); see ``HangDetector.reset``."""
+        self.hangs.reset(rank, now, expect_progress=expect_progress)
         self.stragglers.reset(rank)
 
     def poll(self, now: float | None = None) -> MonitorResult:

@@ -10,6 +10,7 @@ from resilient_train.env import WorkerEnv
 from resilient_train.rerun import RerunConfig
 from resilient_train.context import StepContext
 from resilient_train.errors import GenerationFailed, UsageError
+from resilient_train.heartbeat import heartbeat
 from resilient_train.supervisor import Supervisor, SupervisorConfig
 from resilient_train.train_state import Stateful, TrainState
 
@@ -23,6 +24,7 @@ __all__ = [
     "TrainState",
     "UsageError",
     "WorkerEnv",
+    "heartbeat",
 ]
 
 __version__ = "0.1.0"

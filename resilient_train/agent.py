@@ -5,13 +5,17 @@ spawns one worker per local rank with torchrun's environment, and watches
 them. A supervised worker that dies is replaced in place: the agent declares
 its generation failed (the survivors roll back and wait) and hands the rank to
 a warm spare. A script that does not use the supervisor gets torchrun's
-behaviour instead: every worker is restarted.
+behaviour instead: every worker is restarted, within ``--max-restarts``, on a
+fresh store on the same port (resilient_train.restarts says when it stops
+early, and whom it blames). Every worker's stderr passes through the agent
+(resilient_train.workerio).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import json
 import os
 import select
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -33,20 +38,35 @@ from monitors.dashboard.server import check_available as check_dashboard
 from monitors.persist import monitor_state_path, offered_state_path, take_offer
 from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
+from resilient_train.entry import Entry, EntryKind
+from resilient_train.restarts import Decision, ExitClock, Failure, RestartPolicy
+from resilient_train.workerio import Console, OutputConfig, WorkerOutput
 from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
 from resilient_train.rundir import RunDirError, take_run_dir
 from resilient_train.spare import SPARE_READY_FD
 from resilient_train import exitcodes
 from resilient_train.store import Keys, attempt_store, current_generation, declare_fault, job_store, new_token, read_stop
 
-__all__ = ["Agent", "AgentConfig", "AgentError", "WorkerState"]
+__all__ = ["Agent", "AgentConfig", "AgentError", "AgentStopped", "WorkerState"]
 
 
 SPARE_AFTER_RECOVERY_S = 3.0  # a replacement's spare starts this long after it was handed out
 
 
 class AgentError(RuntimeError):
-    """A reason to stop, phrased for a one-line message."""
+    """A reason to stop, phrased for a one-line message (exit code 1 unless given)."""
+
+    def __init__(self, message: str, exit_code: int = exitcodes.FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class AgentStopped(Exception):
+    """A forwarded signal ended the job (exit code 128 + the signal's number)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class WorkerState(str, Enum):
@@ -57,24 +77,38 @@ class WorkerState(str, Enum):
 
 @dataclass(kw_only=True)
 class AgentConfig:
-    script: str
+    script: str = ""  # shorthand for entry=Entry(kind=SCRIPT, target=script)
+    entry: Entry | None = None
     script_args: list[str] = field(default_factory=list)
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 0  # 0: pick a free port
+    master_port: int = 0  # 0: pick a free port (kept for every attempt either way)
+    fixed_port: bool = False  # the user gave the port
+    run_id: str = "none"  # TORCHELASTIC_RUN_ID (--rdzv-id)
+    role: str = "default"  # ROLE_NAME
     run_dir: str = "runs/latest"
-    max_restarts: int = 10
-    warm_spare: bool = True
+    max_restarts: int = 0  # restarts of every worker (torchrun's meaning and default)
+    max_replacements: int = 10  # in-place replacements of dead Supervisor ranks
+    warm_spare: bool = True  # only for scripts that use the Supervisor
     monitor_interval_s: float = 0.05
     monitor_state_every_s: float = 5.0  # how often the computed hang timeouts are saved to the run directory
     chaos: str = ""  # JSON list of faults for the workers (chaos.dumps_faults)
     env: dict[str, str] = field(default_factory=dict)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # forwarded to the workers
+    shutdown_timeout_s: float = 30.0  # after a forwarded signal, then SIGKILL
+    virtual_local_rank: bool = False
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
     dashboard: DashboardConfig | None = None  # serve the live dashboard (monitors.dashboard) while the job runs
 
     def __post_init__(self) -> None:
+        if self.entry is None:
+            if not self.script:
+                raise ValueError("no script to run")
+            self.entry = Entry(kind=EntryKind.SCRIPT, target=self.script)
+        self.script = self.script or self.entry.target
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if self.nnodes != 1:
@@ -85,8 +119,14 @@ class AgentConfig:
             raise ValueError(f"--master-port must be in [0, 65535], got {self.master_port}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if not Path(self.script).is_file():
-            raise ValueError(f"script {self.script!r} does not exist")
+        if self.max_replacements < 0:
+            raise ValueError(f"--max-replacements must be >= 0, got {self.max_replacements}")
+        if self.monitor_interval_s <= 0:
+            raise ValueError(f"--monitor-interval must be > 0, got {self.monitor_interval_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.entry.kind is EntryKind.SCRIPT and not Path(self.entry.target).is_file():
+            raise ValueError(f"script {self.entry.target!r} does not exist")
         if self.dashboard is not None:
             try:
                 check_dashboard()  # a missing extra is bad input, said before anything starts
@@ -103,6 +143,7 @@ class _Worker:
     rank: int
     proc: subprocess.Popen
     generation: int
+    output: WorkerOutput
     state: WorkerState = WorkerState.RUNNING
     cause: dict | None = None  # set when the agent killed it (a hang, a straggler)
     kill_at: float | None = None  # a hung rank dumping its stacks: SIGKILL at this monotonic time
@@ -119,6 +160,8 @@ def _die_with_parent() -> None:
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
+        assert config.entry is not None
+        self.entry: Entry = config.entry
         self.run_dir = Path(config.run_dir)
         self._check_run_dir()
         self._dashboard: DashboardServer | None = None
@@ -133,15 +176,23 @@ class Agent:
         self.monitor = NodeMonitor(config.monitor, self.run_dir, range(first, first + config.nproc_per_node),
                                    events=EventLog(self.run_dir / "events.jsonl", source="monitor"))
         self._attempt = 0  # whole-group restarts (unsupervised scripts)
+        self._server: dist.Store | None = None
         self.store = self._host_store(config.master_port)
-        self.port = self._server.port
+        self.port = self._server.port  # type: ignore[union-attr]  (every attempt keeps it)
         self.workers: dict[int, _Worker] = {}
-        self.restarts = 0
+        self.replacements = 0
+        self.policy = RestartPolicy(config.max_restarts)
+        self.console = Console()
+        self._log_dir = Path(config.output.log_dir) if config.output.log_dir else self.run_dir / "logs"
+        self._exits = ExitClock()
         self._spare: subprocess.Popen | None = None
         self._spare_ready_fd: int | None = None
+        self._supervised_seen = False  # a rank registered with the Supervisor: the job uses spares
         self._stop_code: int | None = None  # a worker asked the whole job to stop with this code
         self._stop_reason: str | None = None
+        self._signal: int | None = None  # a signal to forward to the workers (config.signals)
         self._spare_due: float | None = None  # when to start the next warm spare (monotonic)
+        self._attempt_step = -1  # the highest step any rank of this attempt reported
         # The computed hang timeouts outlive the agent: a job restarted in this run directory keeps them.
         self._monitor_state = monitor_state_path(self.run_dir)
         try:
@@ -153,6 +204,11 @@ class Agent:
         self._monitor_saved_at = time.monotonic()
         self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
 
+    @property
+    def restarts(self) -> int:
+        """Restarts of every worker plus in-place replacements."""
+        return self.policy.restarts + self.replacements
+
     def _check_run_dir(self) -> None:
         # Private to its owner, no links where the runtime writes, and locked for this job's life:
         # a second job on the same run directory is refused (resilient_train.rundir).
@@ -162,7 +218,12 @@ class Agent:
             raise AgentError(str(e)) from None
 
     def _host_store(self, port: int) -> dist.Store:
-        """Hosts the store on ``--master-addr`` only (loopback by default), under a fresh secret namespace."""
+        """Hosts a fresh store on ``--master-addr`` only (loopback by default), under a fresh secret namespace.
+
+        A restart gets a fresh store on the same port: the last attempt's keys (its
+        process group's among them) must not be met again, and a script that was
+        given a port keeps it.
+        """
         addr = self.config.master_addr
         try:
             family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -185,62 +246,90 @@ class Agent:
         view.set(Keys.GENERATION, "0")
         return view
 
+    def _rehost_store(self) -> None:
+        """The next attempt's store, on the same port (the old server is closed first)."""
+        self.store = self._server = None  # type: ignore[assignment]
+        gc.collect()
+        self.store = self._host_store(self.port)
+
     # ---------------------------------------------------------------- spawn
-    def _worker_env(self, rank: int, generation: int, replacement: bool) -> dict[str, str]:
+    def _worker_env(self, rank: int, generation: int, replacement: bool, output: WorkerOutput) -> dict[str, str]:
         c = self.config
+        local = rank - c.node_rank * c.nproc_per_node
         env = dict(os.environ)
         env.update(c.env)
         env.update({
-            E.RANK: str(rank), E.LOCAL_RANK: str(rank - c.node_rank * c.nproc_per_node),
+            E.RANK: str(rank), E.LOCAL_RANK: str(local),
             E.WORLD_SIZE: str(c.world_size), E.LOCAL_WORLD_SIZE: str(c.nproc_per_node),
-            E.GROUP_RANK: str(c.node_rank), E.MASTER_ADDR: c.master_addr, E.MASTER_PORT: str(self.port),
+            E.GROUP_RANK: str(c.node_rank), "GROUP_WORLD_SIZE": str(c.nnodes),
+            "ROLE_RANK": str(rank), "ROLE_NAME": c.role, "ROLE_WORLD_SIZE": str(c.world_size),
+            E.MASTER_ADDR: c.master_addr, E.MASTER_PORT: str(self.port),
             E.TORCHELASTIC_USE_AGENT_STORE: "True", E.TORCHELASTIC_RESTART_COUNT: str(self._attempt),
+            "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts), E.TORCHELASTIC_RUN_ID: c.run_id,
+            "TORCHELASTIC_ERROR_FILE": str(output.error_file.resolve()),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             E.RT_AGENT: "1", E.RT_RUN_DIR: str(self.run_dir.resolve()), E.RT_GENERATION: str(generation),
             E.RT_ROLE: "replacement" if replacement else "initial", E.RT_CHAOS: c.chaos,
             E.RT_JOB_TOKEN: self._token,
         })
+        if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in c.env and c.nproc_per_node > 1:
+            env["OMP_NUM_THREADS"] = "1"  # torchrun's default (announced once at start)
+        if c.virtual_local_rank:
+            env[E.LOCAL_RANK] = "0"
+            env["CUDA_VISIBLE_DEVICES"] = str(local)
         if c.master_addr in ("127.0.0.1", "localhost", "::1"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
         return env
 
-    def _argv(self) -> list[str]:
-        return [self.config.script, *self.config.script_args]
-
     def _spawn(self, rank: int, generation: int, *, replacement: bool) -> None:
-        env = self._worker_env(rank, generation, replacement)
+        c = self.config
+        local = rank - c.node_rank * c.nproc_per_node
+        output = WorkerOutput(rank=rank, local_rank=local, attempt=self._attempt, config=c.output,
+                              console=self.console, log_dir=self._log_dir)
+        env = self._worker_env(rank, generation, replacement, output)
         env[E.RT_SPAWNED_AT] = repr(time.time())
         # Before the worker can start: a warm spare creates its progress slot at once, and a slot that
-        # exists when the detector is reset is taken for the dead worker's and never watched.
-        self.monitor.reset(rank)
+        # exists when the detector is reset is taken for the dead worker's and never watched. A rank
+        # whose predecessor reported progress is watched from its spawn (a replacement stuck starting).
+        old = self.workers.get(rank)
+        reported = old is not None and self.monitor.hangs.last.get(rank) is not None
+        self.monitor.reset(rank, expect_progress=reported)
         spare, spare_ready = None, False
         if replacement:  # the spare is kept for replacements, where its head start counts
             spare, self._spare = self._spare, None
             spare_ready = self._take_spare_ready()
+        proc: subprocess.Popen | None = None
         if spare is not None and spare.poll() is None and spare.stdin is not None:
-            spec = {"argv": self._argv(), "env": env, "cwd": os.getcwd()}
+            spec = {"argv": self.entry.python_argv + self.config.script_args, "env": env, "cwd": os.getcwd()}
             try:
                 spare.stdin.write(json.dumps(spec) + "\n")
                 spare.stdin.close()
                 proc = spare
             except OSError:
-                proc = self._popen(env)
-        else:
-            proc = self._popen(env)
-        self.workers[rank] = _Worker(rank=rank, proc=proc, generation=generation)
+                proc = None
+        if proc is None:
+            try:
+                proc = subprocess.Popen(self.entry.argv(c.script_args), env=env, preexec_fn=_die_with_parent,
+                                        **output.popen_kwargs())
+            except OSError as e:
+                raise AgentError(f"cannot start {self.entry.target!r}: {e.strerror or e}") from None
+        output.start(proc)
+        self._exits.watch(proc.pid)
+        self.workers[rank] = _Worker(rank=rank, proc=proc, generation=generation, output=output)
         self.events.emit("worker_spawned", rank=rank, pid=proc.pid, generation=generation,
                          replacement=replacement, warm=proc is spare, spare_ready=proc is spare and spare_ready)
 
-    def _popen(self, env: dict[str, str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-u", *self._argv()], env=env, preexec_fn=_die_with_parent)
-
     def _start_spare(self, *, wait_ready_s: float = 0.0) -> None:
         """Starts a spare; with ``wait_ready_s``, waits until it has imported torch."""
-        if not self.config.warm_spare or (self._spare is not None and self._spare.poll() is None):
+        if (not self.config.warm_spare or self.entry.python_argv is None
+                or (self._spare is not None and self._spare.poll() is None)):
             return
         ready_r, ready_w = os.pipe()
         try:
+            # Its output is piped from the start: once it becomes a rank, its stderr goes through the agent.
             self._spare = subprocess.Popen(
                 [sys.executable, "-u", "-m", "resilient_train.spare"], stdin=subprocess.PIPE, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 preexec_fn=_die_with_parent, pass_fds=(ready_w,),
                 env={**os.environ, **self.config.env, SPARE_READY_FD: str(ready_w)},
             )
@@ -265,20 +354,28 @@ class Agent:
     # ------------------------------------------------------------------ run
     def run(self) -> int:
         c = self.config
-        self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=c.script, args=c.script_args)
+        self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=self.entry.target,
+                         entry=self.entry.kind.value, args=c.script_args)
+        self._announce()
         if self._dashboard is not None:
             self._dashboard.start()
-        # The spare imports torch first, alone: the ranks starting beside it
-        # would slow its import several-fold, and a fault early in the run
-        # would find it still cold.
-        self._start_spare(wait_ready_s=30.0)
+        uses_runtime = self.entry.mentions_runtime()
+        if uses_runtime:
+            # A Supervisor job: the spare imports torch first, alone. The ranks starting beside it would
+            # slow its import several-fold, and a fault early in the run would find it still cold.
+            self._start_spare(wait_ready_s=30.0)
+        previous = self._install_signal_handlers()
         for local in range(c.nproc_per_node):
             self._spawn(c.node_rank * c.nproc_per_node + local, 0, replacement=False)
-        self._start_spare()
+        if uses_runtime:
+            self._start_spare()
         try:
             while True:
+                if self._signal is not None:
+                    raise AgentStopped(self._signal)
                 self._poll_workers()
                 self._poll_monitor()
+                self._notice_supervised()
                 if self._spare_due is not None and time.monotonic() >= self._spare_due:
                     self._spare_due = None
                     self._start_spare()
@@ -287,20 +384,75 @@ class Agent:
                     self._stop_workers()
                     self.events.emit("agent_end", ok=False, reason=reason, exit_code=self._stop_code,
                                      restarts=self.restarts)
-                    print(f"resilient-train: job stopped: {reason} (exit code {self._stop_code})", file=sys.stderr,
-                          flush=True)
+                    self._say(f"job stopped: {reason} (exit code {self._stop_code})")
                     return self._stop_code
                 if all(w.state is WorkerState.SUCCEEDED for w in self.workers.values()):
                     self.events.emit("agent_end", ok=True, restarts=self.restarts)
                     return 0
                 time.sleep(c.monitor_interval_s)
+        except AgentStopped as e:
+            return self._forward_stop(e.signum)
         except AgentError as e:
-            self.events.emit("agent_end", ok=False, reason=str(e), restarts=self.restarts)
+            self.events.emit("agent_end", ok=False, reason=str(e), exit_code=e.exit_code, restarts=self.restarts)
             raise
         finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             self.close()
 
+    def _say(self, line: str) -> None:
+        self.console.write(f"resilient-train: {line}\n".encode())
+
+    def _announce(self) -> None:
+        """What a torchrun user should know before the job starts, once."""
+        c = self.config
+        if c.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in c.env:
+            self._say("OMP_NUM_THREADS is set to 1 for each worker, as torchrun does (set it to tune)")
+        if c.monitor.hang.enabled and not self.entry.mentions_runtime():
+            self._say(f"hang detection is off for {Path(self.entry.target).name}: its ranks report no progress "
+                      "(call resilient_train.heartbeat() once a step to turn it on)")
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        previous: dict[int, Any] = {}
+
+        def handler(signum: int, frame: object) -> None:
+            self._signal = signum
+
+        for name in self.config.signals:
+            signum = getattr(signal, name)
+            try:
+                previous[signum] = signal.signal(signum, handler)
+            except ValueError:  # not the main thread (an agent run inside a test's thread)
+                break
+        return previous
+
+    def _forward_stop(self, signum: int) -> int:
+        """torchrun's shutdown: the signal goes to every worker, which gets the shutdown timeout to exit."""
+        name = signal.Signals(signum).name
+        self._say(f"received {name}: forwarding it to the workers "
+                  f"(SIGKILL after {self.config.shutdown_timeout_s:g} s)")
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                try:
+                    w.proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+        self._stop_workers(grace_s=self.config.shutdown_timeout_s)
+        code = 128 + signum
+        self.events.emit("agent_end", ok=False, reason=f"received {name}", exit_code=code, restarts=self.restarts)
+        return code
+
+    def _notice_supervised(self) -> None:
+        """Spares are for Supervisor jobs: the first rank that registers with one starts the spare."""
+        if self._supervised_seen or not self.config.warm_spare:
+            return
+        if any(self.store.check([Keys.supervised(r)]) for r in self.workers):
+            self._supervised_seen = True
+            if self._spare is None:
+                self._spare_due = time.monotonic()
+
     def _poll_workers(self) -> None:
+        dead: list[tuple[_Worker, int]] = []
         for w in list(self.workers.values()):
             if w.state is not WorkerState.RUNNING or self.workers.get(w.rank) is not w:
                 continue  # finished, or replaced while this loop ran (a restart of every worker)
@@ -324,11 +476,19 @@ class Agent:
                 self.events.emit("worker_stopped_job", rank=w.rank, exit_code=rc)
                 self._stop_code = rc
                 continue
-            self._on_death(w, rc)
+            dead.append((w, rc))
+        # The first to exit is the cause; a survivor that aborted when its peer's connection closed follows it.
+        dead.sort(key=lambda d: (self._exits.exited_at(d[0].proc.pid) or time.monotonic(), d[0].rank))
+        for i, (w, rc) in enumerate(dead):
+            if self.workers.get(w.rank) is w:  # not already restarted by an earlier death of this poll
+                self._on_death(w, rc, followed=[d[0] for d in dead[i + 1:]])
 
     def _poll_monitor(self) -> None:
         """Kills hung ranks (and stragglers under the "replace" policy); they then recover like dead ones."""
         found = self.monitor.poll()
+        for snap in self.monitor.hangs.last.values():
+            if snap is not None and snap.step > self._attempt_step:
+                self._attempt_step = snap.step
         self._take_offered_monitor_state()
         # Changed timeouts are saved at once: rank 0 puts the saved file in each checkpoint it writes.
         since_saved = time.monotonic() - self._monitor_saved_at
@@ -343,12 +503,12 @@ class Agent:
             w = self.workers.get(rank)
             if w is not None and w.state is WorkerState.RUNNING and w.cause is None and w.proc.poll() is None:
                 w.cause = cause
+                self._say(f"killing rank {rank}: {_kill_reason(cause)}")
                 if cause["kind"] == "hang" and self._stacks.request(rank, w.proc.pid):
                     w.kill_at = time.monotonic() + DUMP_WAIT_S  # its stacks first, for the report
                 else:
                     w.proc.kill()  # SIGKILL ends a stopped process too
         self._kill_dumped()
-
     def _kill_dumped(self) -> None:
         """SIGKILLs hung ranks whose stack dump had its time, and logs the stacks."""
         now = time.monotonic()
@@ -364,11 +524,21 @@ class Agent:
         stacks = self._stacks.collect(w.rank)
         self.events.emit("hang_stacks", rank=w.rank, pid=w.proc.pid, stacks=stacks or "(no dump written)")
 
-    def _on_death(self, w: _Worker, rc: int) -> None:
+    def _failure(self, w: _Worker, rc: int) -> Failure:
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+        if w.cause is not None:
+            return Failure(rank=w.rank, how=how, kind=w.cause["kind"], summary=_kill_reason(w.cause))
+        w.output.drain()  # its last lines, the traceback among them, may still be in the pipe
+        summary = w.output.failure_summary()
+        kind = "signal" if rc < 0 else ("exception" if summary else "exit")
+        return Failure(rank=w.rank, how=how, kind=kind, summary=summary if rc > 0 else None,
+                       at=self._exits.exited_at(w.proc.pid) or time.monotonic())
+
+    def _on_death(self, w: _Worker, rc: int, *, followed: list[_Worker]) -> None:
+        failure = self._failure(w, rc)
         if self.store.check([Keys.FINAL]):
             # The final state is committed: the run is over whatever happens now.
-            self.events.emit("worker_exit_after_final", rank=w.rank, how=how)
+            self.events.emit("worker_exit_after_final", rank=w.rank, how=failure.how)
             w.state = WorkerState.SUCCEEDED
             return
         if w.kill_at is not None:  # it died while dumping its stacks: log what it wrote
@@ -376,27 +546,50 @@ class Agent:
             self._log_stacks(w)
         g = current_generation(self.store)
         cause = w.cause or {"kind": "exit"}
-        self.events.emit("fault_detected", rank=w.rank, how=how, pid=w.proc.pid, generation=g, **cause)
-        self.restarts += 1
-        if self.restarts > self.config.max_restarts:
-            raise AgentError(f"rank {w.rank} died ({how}) and the restart budget ({self.config.max_restarts}) is spent")
+        self.events.emit("fault_detected", rank=w.rank, how=failure.how, pid=w.proc.pid, generation=g,
+                         summary=failure.summary, **cause)
         if self.store.check([Keys.supervised(w.rank)]):
-            declare_fault(self.store, g, {"rank": w.rank, "kind": cause["kind"], "how": how, "time": time.time()})
+            self.replacements += 1
+            if self.replacements > self.config.max_replacements:
+                raise AgentError(f"rank {w.rank} died ({failure.how}) and the replacement budget "
+                                 f"({self.config.max_replacements}, --max-replacements) is spent")
+            declare_fault(self.store, g, {"rank": w.rank, "kind": cause["kind"], "how": failure.how,
+                                          "time": time.time()})
             self._spawn(w.rank, current_generation(self.store), replacement=True)
             # The next spare imports torch later: started now, it would take the CPU from the ranks
             # recovering (on a small host the replacement's first step ran several times slower).
             self._spare_due = time.monotonic() + SPARE_AFTER_RECOVERY_S
-        else:
-            self._restart_all(f"rank {w.rank} died ({how})")
+            return
+        self._restart_all(failure, followed)
 
-    def _restart_all(self, why: str) -> None:
+    def _restart_all(self, failure: Failure, followed: list[_Worker]) -> None:
         """torchrun's recovery, for scripts that do not use the supervisor."""
-        self.events.emit("restart_all", reason=why, attempt=self._attempt + 1)
+        hung = [o.rank for o in followed if o.cause is not None and o.cause["kind"] == "hang"]
+        if failure.kind == "hang" and hung:
+            # Hung together: a rank waiting in a collective on a hung peer looks the same from outside.
+            ranks = ", ".join(str(r) for r in sorted([failure.rank, *hung]))
+            blame = f"ranks {ranks} hung ({failure.summary})"
+        else:
+            others = [f"rank {o.rank} ({self._failure(o, o.proc.returncode).how})" for o in followed
+                      if o.proc.returncode not in (None, 0)]
+            blame = failure.describe() + (f"; {', '.join(others)} followed" if others else "")
+        decision = self.policy.decide(failure, reported_step=self._attempt_step)
+        self.events.emit("attempt_failed", attempt=self._attempt, rank=failure.rank, how=failure.how,
+                         kind=failure.kind, summary=failure.summary, followed=[o.rank for o in followed],
+                         decision=decision.value)
+        if decision is Decision.REPEATED:
+            raise AgentError(f"{blame}, the same failure as attempt {self._attempt - 1} with no progress "
+                             "in between: a bug, not a fault; not restarting", exit_code=exitcodes.STOPPED)
+        if decision is Decision.BUDGET:
+            budget = self.config.max_restarts
+            raise AgentError(f"{blame}; " + ("no restarts allowed (--max-restarts 0)" if budget == 0 else
+                                             f"the restart budget ({budget}, --max-restarts) is spent"))
+        self._say(f"{blame}; restarting every worker (restart {self.policy.restarts} of {self.config.max_restarts})")
+        self.events.emit("restart_all", reason=blame, attempt=self._attempt + 1)
         self._kill_workers()
         self._attempt += 1
-        # A fresh store: the last attempt's rendezvous keys must not be reused.
-        self.store = self._host_store(0)
-        self.port = self._server.port
+        self._attempt_step = -1
+        self._rehost_store()
         c = self.config
         for local in range(c.nproc_per_node):
             self._spawn(c.node_rank * c.nproc_per_node + local, 0, replacement=False)
@@ -454,8 +647,19 @@ class Agent:
         if self._dashboard is not None:
             self._dashboard.close()
         self._kill_workers()
+        for w in self.workers.values():
+            w.output.drain(timeout_s=0.5)
+        self._exits.close()
         self._save_monitor_state()
         self.monitor.close()
         if self._spare is not None and self._spare.poll() is None:
             self._spare.kill()
             self._spare.wait(timeout=10)
+
+
+def _kill_reason(cause: dict) -> str:
+    if cause["kind"] == "hang":
+        where = f"in {cause['phase']}" + (f" at step {cause['step']}" if cause.get("step", -1) >= 0 else "")
+        return (f"hung {where}: no progress for {cause['since_progress_s']:.1f} s "
+                f"(timeout {cause['timeout_s']:.1f} s)")
+    return "a straggler (straggler policy: replace)"

@@ -18,46 +18,30 @@ __all__ = ["main"]
 
 
 def _run_parser(sub: argparse._SubParsersAction) -> None:
+    from resilient_train.launch import add_run_arguments
+
     p = sub.add_parser(
-        "run", help="run a training script under the node agent",
-        description="Run SCRIPT on --nproc-per-node ranks with torchrun's environment; "
-        "replace ranks that die and recover in place.",
+        "run", help="run a training script under the node agent (torchrun's flags work)",
+        description="Run SCRIPT on --nproc-per-node ranks with torchrun's environment and flags; "
+        "replace Supervisor ranks that die in place, restart plain scripts as torchrun does.",
     )
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="worker processes on this node (default 1)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (only 1 for now)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank (default 0)")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="address of the coordination store (default 127.0.0.1)")
-    p.add_argument("--master-port", "--master_port", type=int, default=0, help="port of the coordination store (default 0: a free one)")
-    p.add_argument("--run-dir", default="runs/latest", help="events.jsonl, final/ and checkpoints go here (default runs/latest)")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=10, help="rank replacements before giving up (default 10)")
-    p.add_argument("--no-spare", action="store_true", help="do not keep a warm spare worker")
-    p.add_argument("--chaos", default="", help="JSON list of faults to inject (see the chaos package)")
-    p.add_argument("--monitor-config", default=None,
-                   help="YAML/JSON file with hang, straggler and metrics settings (see monitors.MonitorConfig)")
-    p.add_argument("--dashboard", action="store_true",
-                   help="serve the live dashboard of this job (prints its URL and control token; "
-                        "needs the dashboard extra)")
-    p.add_argument("--dashboard-port", type=int, default=0, help="port of the dashboard (default 0: a free one)")
-    p.add_argument("--dashboard-host", default="127.0.0.1", help="address the dashboard binds (default 127.0.0.1)")
-    p.add_argument("script", help="the training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    add_run_arguments(p)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from resilient_train.agent import Agent, AgentConfig, AgentError
     from monitors.dashboard.server import DashboardConfig
+    from resilient_train.agent import Agent, AgentError
+    from resilient_train.launch import agent_config
     from resilient_train.preflight import check_run_inputs
 
     # Every bad flag is one line and exit 2 here, before any worker starts.
-    monitor = check_run_inputs(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, chaos=args.chaos,
-                               monitor_config=args.monitor_config)
-    config = AgentConfig(
-        script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-        node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port, run_dir=args.run_dir,
-        max_restarts=args.max_restarts, warm_spare=not args.no_spare, chaos=args.chaos,
-        dashboard=DashboardConfig(host=args.dashboard_host, port=args.dashboard_port) if args.dashboard else None,
-        **({"monitor": monitor} if monitor is not None else {}),
+    config = agent_config(
+        args, dashboard=DashboardConfig(host=args.dashboard_host, port=args.dashboard_port) if args.dashboard else None,
     )
+    monitor = check_run_inputs(nproc_per_node=config.nproc_per_node, nnodes=config.nnodes, chaos=args.chaos,
+                               monitor_config=args.monitor_config)
+    if monitor is not None:
+        config.monitor = monitor
     try:
         agent = Agent(config)
     except AgentError as e:  # bad input: a port in use, a run directory that is not writable
@@ -67,7 +51,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return agent.run()
     except AgentError as e:  # the run gave up
         print(f"resilient-train: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,10 +53,15 @@ def main() -> int:
     os.environ.clear()
     os.environ.update(spec["env"])
     os.chdir(spec["cwd"])
-    argv = spec["argv"]
+    argv = spec["argv"]  # what follows "python": SCRIPT ARGS, or -m MODULE ARGS
+    sys.stdin.close()
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return 0
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-    sys.stdin.close()
     runpy.run_path(argv[0], run_name="__main__")
     return 0
 

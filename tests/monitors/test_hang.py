@@ -130,6 +130,8 @@ def test_startup_window_and_reset_after_respawn(tmp_path, procs: Procs) -> None:
     cfg = HangConfig(computed=False, default_timeout=TIMEOUT, startup_timeout=5.0)
     t0 = time.monotonic()
     det = HangDetector(cfg, run, [0])
+    assert det.poll(t0 + 6.0) == []  # never reported progress (a plain script): not watched
+    det.reset(0, now=t0, expect_progress=True)  # a rank whose predecessor reported
     assert det.poll(t0 + 4.0) == []  # no slot yet: start-up
     assert [(h.rank, h.section, h.pid) for h in det.poll(t0 + 6.0)] == [(0, "startup", None)]
     p = procs.start(train_loop, run, 0, {})
@@ -138,7 +140,7 @@ def test_startup_window_and_reset_after_respawn(tmp_path, procs: Procs) -> None:
     p.join(timeout=10)
     last = _frozen_since(run, 0)
     assert [h.rank for h in det.poll(last + TIMEOUT + 0.5)] == [0]  # the dead rank's slot is stale
-    det.reset(0, now=last + 1.0)
+    det.reset(0, now=last + 1.0, expect_progress=True)
     assert det.poll(last + TIMEOUT + 0.5) == []  # its old slot is ignored; start-up window again
     assert [h.section for h in det.poll(last + 7.0)] == ["startup"]
     p2 = procs.start(train_loop, run, 0, {})

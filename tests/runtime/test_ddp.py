@@ -30,7 +30,7 @@ def _faults(nproc: int) -> list[dict]:
 def test_ddp_through_kills_at_every_phase_is_bitwise(tmp_path, references, nproc):
     faults = _faults(nproc)
     job = run_ddp(tmp_path / "run", nproc=nproc, steps=STEPS, faults=faults, timeout=400,
-                  agent_args=["--max-restarts", str(len(faults))])
+                  agent_args=["--max-replacements", str(len(faults))])
     assert job.returncode == 0, f"run failed:\n{job.stderr[-3000:]}"
     assert len(job.of("fault_injected")) == len(faults), job.of("fault_injected")
     injected = {(e["rank"], e["phase"]) for e in job.of("fault_injected")}

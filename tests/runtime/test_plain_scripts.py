@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parent / "plain_torchrun_script.py"
 def _run(tmp_path, *, kill_rank: str = "") -> tuple[Job, Path]:
     out = tmp_path / "out"
     out.mkdir()
-    p = cli("run", "--nproc-per-node", "3", "--run-dir", str(tmp_path / "run"), "--no-spare",
+    p = cli("run", "--nproc-per-node", "3", "--run-dir", str(tmp_path / "run"), "--no-spare", "--max-restarts", "1",
             str(SCRIPT), str(out), env={"KILL_RANK": kill_rank}, timeout=120)
     return Job(p.returncode, p.stdout, p.stderr, tmp_path / "run"), out
 

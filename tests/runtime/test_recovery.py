@@ -29,7 +29,7 @@ def test_sigkill_rank0_and_last_rank_at_every_phase(tmp_path, references, nproc)
         faults.append({"kind": "kill", "rank": 0, "step": 2 + 4 * i, "phase": phase})
         faults.append({"kind": "kill", "rank": last, "step": 4 + 4 * i, "phase": phase})
     job = run_gpt(tmp_path / "run", nproc=nproc, steps=STEPS, faults=faults, timeout=400,
-                  agent_args=["--max-restarts", str(len(faults))])
+                  agent_args=["--max-replacements", str(len(faults))])
     _assert_recovered(job, references.get(nproc, STEPS), killed={0, last}, faults=len(faults))
     respawned = sorted(e["rank"] for e in job.of("worker_spawned") if e["replacement"])
     assert respawned == sorted([0, last] * len(PHASES))

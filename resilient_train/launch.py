@@ -1,0 +1,230 @@
+"""``resilient-train run``'s flags: torchrun's, with torchrun's meaning, and ours.
+
+Every flag of ``torchrun`` (torch 2.13) is parsed here. Each one either does
+what it does under torchrun, or is refused with one line that names it and
+says why (README: "Compatibility with torchrun"). The result is an
+:class:`~resilient_train.agent.AgentConfig`; nothing starts before every flag
+has been checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from resilient_train.agent import AgentConfig
+from resilient_train.entry import Entry, EntryKind
+from resilient_train.workerio import OutputConfig, parse_std_streams
+
+__all__ = ["add_run_arguments", "agent_config"]
+
+C10D_DEFAULT_PORT = 29400  # torchrun's port for an --rdzv-endpoint given without one
+_RDZV_BACKENDS = ("static", "c10d")
+_RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "timeout", "read_timeout", "is_host",
+                   "keep_alive_interval", "keep_alive_max_attempt", "use_libuv")
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """torchrun's flags (both spellings), then resilient-train's own."""
+    t = p.add_argument_group("torchrun's flags (same meaning as under torchrun)")
+    t.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (only 1 for now)")
+    t.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
+                   help="workers on this node: N, auto, cpu or gpu (default 1)")
+    t.add_argument("--rdzv-backend", "--rdzv_backend", default="static", help="static or c10d (one node: the agent's store)")
+    t.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", help="HOST[:PORT] of the store (default port 29400)")
+    t.add_argument("--rdzv-id", "--rdzv_id", default="none", help="the job's id (TORCHELASTIC_RUN_ID)")
+    t.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="KEY=VALUE,... rendezvous settings (accepted, see README)")
+    t.add_argument("--standalone", action="store_true", help="one node, the store on a free local port")
+    t.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="restarts of every worker before giving up (default 0, as torchrun)")
+    t.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.05,
+                   help="seconds between looks at the workers (default 0.05)")
+    t.add_argument("--start-method", "--start_method", default="spawn", choices=("spawn", "fork", "forkserver"),
+                   help="accepted: a script's workers are always fresh processes, as under torchrun")
+    t.add_argument("--event-log-handler", "--event_log_handler", default="null",
+                   help="only 'null': events go to RUN_DIR/events.jsonl")
+    t.add_argument("--role", default="default", help="the workers' role (ROLE_NAME, and the console prefix)")
+    t.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, as python -m")
+    t.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as a program, without python")
+    t.add_argument("--run-path", "--run_path", action="store_true", help="accepted: the same as running the script")
+    t.add_argument("--log-dir", "--log_dir", default=None, help="per-attempt, per-rank stdout/stderr/error files go here")
+    t.add_argument("-r", "--redirects", default="0", help="streams to files only: 0 none, 1 stdout, 2 stderr, 3 both; "
+                   "or per rank, e.g. 0:1,1:2")
+    t.add_argument("-t", "--tee", default="0", help="streams to files and to the console (same format)")
+    t.add_argument("--local-ranks-filter", "--local_ranks_filter", default="",
+                   help="show only these local ranks' output on the console, e.g. 0,2")
+    t.add_argument("--duplicate-stdout-filters", "--duplicate_stdout_filters", nargs="*", default=[],
+                   help="refused: use --log-dir")
+    t.add_argument("--duplicate-stderr-filters", "--duplicate_stderr_filters", nargs="*", default=[],
+                   help="refused: use --log-dir")
+    t.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank (default 0)")
+    t.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="address of the store (default 127.0.0.1)")
+    t.add_argument("--master-port", "--master_port", type=int, default=None,
+                   help="port of the store, kept across restarts (default: a free one)")
+    t.add_argument("--local-addr", "--local_addr", default=None, help="accepted: one node connects on --master-addr")
+    t.add_argument("--logs-specs", "--logs_specs", default=None, help="refused: use --log-dir")
+    t.add_argument("--numa-binding", "--numa_binding", default=None, help="refused (GPU affinity is not handled)")
+    t.add_argument("--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                   help="signals forwarded to the workers before the agent exits")
+    t.add_argument("--shutdown-timeout", "--shutdown_timeout", type=float, default=None,
+                   help="seconds the workers get after a forwarded signal before SIGKILL (default 30)")
+    t.add_argument("--virtual-local-rank", "--virtual_local_rank", action="store_true",
+                   help="LOCAL_RANK=0 for every worker, each seeing only its own GPU")
+
+    o = p.add_argument_group("resilient-train's flags")
+    o.add_argument("--run-dir", default="runs/latest", help="events.jsonl, final/ and checkpoints go here (default runs/latest)")
+    o.add_argument("--max-replacements", type=int, default=10,
+                   help="in-place replacements of dead Supervisor ranks before giving up (default 10)")
+    o.add_argument("--no-spare", action="store_true", help="do not keep a warm spare worker")
+    o.add_argument("--chaos", default="", help="JSON list of faults to inject (see the chaos package)")
+    o.add_argument("--monitor-config", default=None,
+                   help="YAML/JSON file with hang, straggler and metrics settings (see monitors.MonitorConfig)")
+    o.add_argument("--dashboard", action="store_true",
+                   help="serve the live dashboard of this job (prints its URL and control token; needs the dashboard extra)")
+    o.add_argument("--dashboard-port", type=int, default=0, help="port of the dashboard (default 0: a free one)")
+    o.add_argument("--dashboard-host", default="127.0.0.1", help="address the dashboard binds (default 127.0.0.1)")
+    p.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _nnodes(value: str) -> int:
+    lo, _, hi = value.partition(":")
+    try:
+        n_min, n_max = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX") from None
+    if n_min != n_max:
+        raise ValueError(f"--nnodes {value}: elastic node counts are not supported (give one number)")
+    if n_min != 1:
+        raise ValueError(f"--nnodes {value}: only one node is supported for now")
+    return n_min
+
+
+def _nproc(value: str) -> int:
+    if value in ("auto", "gpu", "xpu"):
+        try:
+            import torch
+
+            if value in ("auto", "gpu") and torch.cuda.is_available():
+                return torch.cuda.device_count()
+            if value == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available():
+                return torch.xpu.device_count()
+        except ImportError:
+            pass
+        if value != "auto":
+            raise ValueError(f"--nproc-per-node {value}: no {value.upper()} on this machine")
+        value = "cpu"
+    if value == "cpu":
+        return os.cpu_count() or 1
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--nproc-per-node {value!r}: expected a number, auto, cpu or gpu") from None
+
+
+def _endpoint(value: str) -> tuple[str, int | None]:
+    host, sep, port = value.rpartition(":") if value.count(":") == 1 or value.startswith("[") else ("", "", "")
+    if not sep:
+        return value.strip("[]"), None
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise ValueError(f"--rdzv-endpoint {value!r}: the port must be a number") from None
+
+
+def _rdzv_conf(value: str) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in value.split(","))):
+        key, sep, v = item.partition("=")
+        if not sep:
+            raise ValueError(f"--rdzv-conf: {item!r} is not KEY=VALUE")
+        if key not in _RDZV_CONF_KEYS:
+            raise ValueError(f"--rdzv-conf: unknown key {key!r} (known: {', '.join(_RDZV_CONF_KEYS)})")
+        conf[key] = v
+    return conf
+
+
+def _signals(value: str) -> tuple[str, ...]:
+    names = tuple(s.strip().upper() for s in value.split(",") if s.strip())
+    bad = [n for n in names if n not in _SIGNALS]
+    if bad:
+        raise ValueError(f"--signals-to-handle: unknown signal {bad[0]} (one of {', '.join(_SIGNALS)})")
+    return names
+
+
+def _entry(args: argparse.Namespace) -> Entry:
+    if args.module and args.no_python:
+        raise ValueError("-m and --no-python exclude each other")
+    if args.module:
+        return Entry(kind=EntryKind.MODULE, target=args.script)
+    if args.no_python:
+        program = args.script if os.sep in args.script else (shutil.which(args.script) or args.script)
+        if not (Path(program).is_file() and os.access(program, os.X_OK)):
+            raise ValueError(f"--no-python: {args.script!r} is not an executable program")
+        return Entry(kind=EntryKind.PROGRAM, target=program)
+    if not Path(args.script).is_file():
+        raise ValueError(f"script {args.script!r} does not exist")
+    return Entry(kind=EntryKind.SCRIPT, target=args.script)
+
+
+def _refuse(args: argparse.Namespace) -> None:
+    if args.event_log_handler != "null":
+        raise ValueError(f"--event-log-handler {args.event_log_handler}: only 'null' (events go to RUN_DIR/events.jsonl)")
+    if args.duplicate_stdout_filters or args.duplicate_stderr_filters:
+        raise ValueError("--duplicate-stdout/stderr-filters: not supported (use --log-dir, --tee or --redirects)")
+    if args.logs_specs is not None:
+        raise ValueError("--logs-specs: log-spec plugins are not supported (use --log-dir)")
+    if args.numa_binding is not None:
+        raise ValueError("--numa-binding: not supported (workers are not bound to CPUs near their GPU)")
+    if args.rdzv_backend not in _RDZV_BACKENDS:
+        raise ValueError(f"--rdzv-backend {args.rdzv_backend}: only static or c10d (the agent hosts a c10d store)")
+
+
+def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
+    """The agent's configuration from parsed flags; ``ValueError`` with a one-line message for bad ones."""
+    _refuse(args)
+    nnodes = _nnodes(args.nnodes)
+    nproc = _nproc(args.nproc_per_node)
+    master_addr, master_port = args.master_addr, args.master_port
+    run_id = args.rdzv_id
+    if args.standalone:
+        # torchrun: a c10d store on a free local port, a random id; --rdzv-* are ignored.
+        master_addr, master_port = "127.0.0.1", 0
+        run_id = str(uuid.uuid4())
+    elif args.rdzv_endpoint:
+        host, port = _endpoint(args.rdzv_endpoint)
+        master_addr = host or master_addr
+        master_port = port if port is not None else C10D_DEFAULT_PORT
+    _rdzv_conf(args.rdzv_conf)
+    output = OutputConfig(
+        log_dir=args.log_dir, redirects=parse_std_streams(args.redirects, nproc, "--redirects"),
+        tee=parse_std_streams(args.tee, nproc, "--tee"), role=args.role,
+        local_ranks_filter=_ranks_filter(args.local_ranks_filter, nproc),
+    )
+    return AgentConfig(
+        entry=_entry(args), script_args=args.script_args, nproc_per_node=nproc, nnodes=nnodes,
+        node_rank=args.node_rank, master_addr=master_addr, master_port=master_port or 0,
+        fixed_port=master_port not in (None, 0), run_id=run_id, role=args.role, run_dir=args.run_dir,
+        max_restarts=args.max_restarts, max_replacements=args.max_replacements, warm_spare=not args.no_spare,
+        chaos=args.chaos, monitor_interval_s=args.monitor_interval, output=output,
+        signals=_signals(args.signals_to_handle),
+        shutdown_timeout_s=30.0 if args.shutdown_timeout is None else args.shutdown_timeout,
+        virtual_local_rank=args.virtual_local_rank, **extra,  # type: ignore[arg-type]
+    )
+
+
+def _ranks_filter(value: str, nproc: int) -> frozenset[int] | None:
+    if not value:
+        return None
+    try:
+        ranks = frozenset(int(s) for s in value.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"--local-ranks-filter {value!r}: expected local ranks, e.g. 0,2") from None
+    bad = sorted(r for r in ranks if not 0 <= r < nproc)
+    if bad:
+        raise ValueError(f"--local-ranks-filter: local rank {bad[0]} is not in [0, {nproc})")
+    return ranks

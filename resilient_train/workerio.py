@@ -1,0 +1,216 @@
+"""The workers' output: the console, torchrun's log files, and the tracebacks seen.
+
+Every worker's stderr passes through the agent (its stdout only when a flag
+asks for it), so that:
+
+* a traceback printed by several ranks, or by every attempt of a script that
+  fails the same way each time, is shown once; the repeats are one line naming
+  the rank and attempt that showed it first;
+* the last exception a worker printed (or wrote to its
+  ``TORCHELASTIC_ERROR_FILE``, as torchrun's ``@record`` does) is known to the
+  agent, which names the first failure as the cause and stops a job that keeps
+  failing the same way;
+* torchrun's ``--log-dir``, ``--redirects``, ``--tee`` and
+  ``--local-ranks-filter`` work as they do there.
+
+Log files go to ``LOG_DIR/attempt_N/LOCAL_RANK/{stdout,stderr}.log`` and
+``error.json`` (LOG_DIR defaults to ``RUN_DIR/logs``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from enum import IntFlag
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["Console", "OutputConfig", "Std", "WorkerOutput", "parse_std_streams", "read_error_file"]
+
+_RANK_PREFIX = re.compile(rb"^\[rank\d+\]:\s?")  # torch's excepthook prefixes each line once a group exists
+_TRACEBACK = b"Traceback (most recent call last):"
+DRAIN_S = 2.0  # how long a dead worker's last output may take to arrive
+
+
+class Std(IntFlag):
+    """torchrun's stream selection: 0 none, 1 stdout, 2 stderr, 3 both."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+def parse_std_streams(value: str, nproc: int, flag: str) -> dict[int, Std]:
+    """torchrun's ``--redirects``/``--tee`` syntax: ``3`` for every local rank, or ``0:1,1:2`` per rank."""
+    value = value.strip()
+
+    def std(v: str) -> Std:
+        n = int(v)
+        if not 0 <= n <= 3:
+            raise ValueError(n)
+        return Std(n)
+
+    try:
+        if ":" not in value:
+            chosen = std(value or "0")
+            return {r: chosen for r in range(nproc)}
+        out = {r: Std.NONE for r in range(nproc)}
+        for item in value.split(","):
+            rank, _, v = item.partition(":")
+            r = int(rank)
+            if not 0 <= r < nproc:
+                raise ValueError(f"{flag}: local rank {r} is not in [0, {nproc})")
+            out[r] = std(v)
+        return out
+    except ValueError as e:
+        if str(e).startswith(flag):
+            raise
+        raise ValueError(f"{flag} {value!r}: expected 0-3, or LOCAL_RANK:0-3,... as torchrun") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputConfig:
+    log_dir: str | None = None  # default: RUN_DIR/logs
+    redirects: dict[int, Std] = field(default_factory=dict)  # to files only
+    tee: dict[int, Std] = field(default_factory=dict)  # to files and the console
+    role: str = "default"
+    local_ranks_filter: frozenset[int] | None = None  # None: every local rank on the console
+
+    def to_file(self, local_rank: int) -> Std:
+        return self.redirects.get(local_rank, Std.NONE) | self.tee.get(local_rank, Std.NONE)
+
+    def on_console(self, local_rank: int) -> Std:
+        if self.local_ranks_filter is not None and local_rank not in self.local_ranks_filter:
+            return Std.NONE
+        return Std.ALL & ~self.redirects.get(local_rank, Std.NONE)
+
+    @property
+    def prefixed(self) -> bool:
+        """torchrun prefixes console lines with ``[role+local rank]:`` under --tee and --local-ranks-filter."""
+        return any(self.tee.values()) or self.local_ranks_filter is not None
+
+
+class Console:
+    """The agent's stdout and stderr, shared by every relay; remembers the tracebacks shown."""
+
+    def __init__(self, out: IO[bytes] | None = None, err: IO[bytes] | None = None) -> None:
+        self._streams = {Std.OUT: out if out is not None else sys.stdout.buffer,
+                         Std.ERR: err if err is not None else sys.stderr.buffer}
+        self._lock = threading.Lock()
+        self._shown: dict[tuple[bytes, ...], tuple[int, int]] = {}  # traceback -> (rank, attempt) that showed it
+
+    def write(self, data: bytes, std: Std = Std.ERR) -> None:
+        with self._lock:
+            self._streams[std].write(data)
+            self._streams[std].flush()
+
+    def traceback(self, block: list[bytes], prefix: bytes, *, rank: int, attempt: int) -> None:
+        """Shows a traceback on stderr, or one line if it was shown before (by another rank or attempt)."""
+        key = tuple(_RANK_PREFIX.sub(b"", line).rstrip() for line in block)
+        err = self._streams[Std.ERR]
+        with self._lock:
+            first = self._shown.setdefault(key, (rank, attempt))
+            if first == (rank, attempt):
+                err.write(b"".join(prefix + line for line in block))
+            else:
+                where = f"rank {first[0]}" + (f" in attempt {first[1]}" if first[1] != attempt else "")
+                last = key[-1].decode(errors="replace")
+                err.write(prefix + f"[rank{rank}]: the same traceback as {where}: {last}\n".encode())
+            err.flush()
+
+
+class WorkerOutput:
+    """One worker's pipes: what goes to the console and to files, and the last exception it printed."""
+
+    def __init__(self, *, rank: int, local_rank: int, attempt: int, config: OutputConfig, console: Console,
+                 log_dir: Path) -> None:
+        self.rank, self.local_rank, self.attempt = rank, local_rank, attempt
+        self._console = console
+        self._show = config.on_console(local_rank)
+        self._file = config.to_file(local_rank)
+        self._prefix = f"[{config.role}{local_rank}]:".encode() if config.prefixed else b""
+        self.dir = log_dir / f"attempt_{attempt}" / str(local_rank)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.error_file = self.dir / "error.json"
+        self.error_file.unlink(missing_ok=True)  # a replacement's file is its own
+        self.last_exception: str | None = None
+        self._threads: list[threading.Thread] = []
+        self._pipe_out = bool(self._file & Std.OUT) or not (self._show & Std.OUT)
+
+    def popen_kwargs(self) -> dict[str, Any]:
+        return {"stdout": subprocess.PIPE if self._pipe_out else None, "stderr": subprocess.PIPE}
+
+    def start(self, proc: subprocess.Popen) -> None:
+        streams = [(proc.stderr, Std.ERR, "stderr.log")]
+        if self._pipe_out:
+            streams.append((proc.stdout, Std.OUT, "stdout.log"))
+        for pipe, std, name in streams:
+            assert pipe is not None
+            log = (self.dir / name).open("ab") if self._file & std else None
+            t = threading.Thread(target=self._relay, args=(pipe, std, log), daemon=True,
+                                 name=f"rt-out-rank{self.rank}-{name}")
+            t.start()
+            self._threads.append(t)
+
+    def drain(self, timeout_s: float = DRAIN_S) -> None:
+        """Waits for the output of a worker that exited (a grandchild holding the pipe may keep it open)."""
+        for t in self._threads:
+            t.join(timeout=timeout_s)
+
+    def failure_summary(self) -> str | None:
+        """The worker's error: its error file's message (torchrun's ``@record``), else the last exception printed."""
+        return read_error_file(self.error_file) or self.last_exception
+
+    def _relay(self, pipe: IO[bytes], std: Std, log: IO[bytes] | None) -> None:
+        show = bool(self._show & std)
+        block: list[bytes] = []
+        try:
+            for line in iter(pipe.readline, b""):
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+                if std is not Std.ERR:
+                    if show:
+                        self._console.write(self._prefix + line, Std.OUT)
+                    continue
+                bare = _RANK_PREFIX.sub(b"", line)
+                if bare.startswith(_TRACEBACK):
+                    if block and show:
+                        self._console.write(b"".join(self._prefix + b for b in block))
+                    block = [line]
+                    continue
+                if block:
+                    block.append(line)
+                    if bare[:1] not in (b" ", b"\t") and bare.strip() and not bare.startswith(_TRACEBACK):
+                        self.last_exception = bare.decode(errors="replace").strip()
+                        if show:
+                            self._console.traceback(block, self._prefix, rank=self.rank, attempt=self.attempt)
+                        block = []
+                    continue
+                if show:
+                    self._console.write(self._prefix + line)
+        except (OSError, ValueError):
+            pass
+        finally:
+            if block and show:
+                self._console.write(b"".join(self._prefix + b for b in block))
+            if log is not None:
+                log.close()
+            pipe.close()
+
+
+def read_error_file(path: Path) -> str | None:
+    """The message of torchrun's error file (``torch.distributed.elastic.multiprocessing.errors``), if any."""
+    try:
+        data = json.loads(path.read_text())
+        message = data["message"]
+        if isinstance(message, dict):
+            message = message.get("message")
+        return str(message).strip().splitlines()[-1] if message else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
