@@ -11,7 +11,9 @@ code   meaning
 28     stopped: the disk is full (a checkpoint or the final state could not be
        written; restarting would fail the same way)
 93     stopped, do not requeue: a bug (an exception that reproduced on its
-       replay), a misuse of the runtime, or no progress across attempts
+       replay, or a plain script's same crash in two attempts in a row with
+       no progress between), a misuse of the runtime
+128+N  the agent received signal N and forwarded it to the workers
 =====  ======================================================================
 
 16 and 17 are Megatron-Core's rerun codes; 93 is NVRx's "do not requeue".

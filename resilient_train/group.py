@@ -14,8 +14,10 @@ back here (the only place this package touches torch's private state):
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -72,16 +74,31 @@ def destroy_group(device: torch.device) -> dist.ProcessGroup | None:
     return group
 
 
+_releasing: list[threading.Thread] = []
+RELEASE_AT_EXIT_S = 5.0  # how long an exiting process waits for groups still being released
+
+
 def release_in_background(box: list[dist.ProcessGroup]) -> None:
     """Drops the last reference to a destroyed group on a daemon thread.
 
     ``box`` holds the only reference the caller has; it is emptied on that thread, so
     the destructor, with its wait for a collective still in flight, blocks nobody.
+    At exit the process waits a little for these threads: a destructor cut short by
+    the interpreter's exit aborts the process ("terminate called ...").
     """
     def drop() -> None:
         box.clear()
 
-    threading.Thread(target=drop, name="rt-release-group", daemon=True).start()
+    t = threading.Thread(target=drop, name="rt-release-group", daemon=True)
+    t.start()
+    _releasing[:] = [r for r in _releasing if r.is_alive()] + [t]
+
+
+@atexit.register
+def _wait_for_releases() -> None:
+    deadline = time.monotonic() + RELEASE_AT_EXIT_S
+    for t in _releasing:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def abort_nccl() -> None:

@@ -18,6 +18,14 @@ SMALL_GPT = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "1
              "--reproducible"]
 
 
+OMP_NOTICE = "resilient-train: OMP_NUM_THREADS is set to 1 for each worker"  # torchrun's notice, at every start
+
+
+def console_lines(stderr: str) -> list[str]:
+    """The non-empty lines of a job's stderr, without the agent's start-up notice."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(OMP_NOTICE)]
+
+
 @dataclass
 class Job:
     returncode: int

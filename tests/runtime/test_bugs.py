@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import cli, run_script
+from jobs import cli, console_lines, run_script
 
 SCRIPT = Path(__file__).resolve().parent / "misuse_script.py"
 STOPPED = 93
@@ -22,7 +22,7 @@ def test_an_exception_that_reproduces_on_its_replay_stops_the_job(tmp_path):
     assert job.returncode == STOPPED, job.stderr[-3000:]
     assert job.stderr.count("Traceback (most recent call last)") == 1, job.stderr
     assert "KeyError: 'missing'" in job.stderr
-    lines = [line for line in job.stderr.splitlines() if line.startswith("resilient-train:")]
+    lines = [line for line in console_lines(job.stderr) if line.startswith("resilient-train:")]
     assert len(lines) == 1 and "raised again when step 3 was replayed" in lines[0], lines
     # One recovery, one replay, then the stop: no rollback loop.
     assert {e["generation"] for e in job.of("fault_detected") if e["source"].startswith("rank")} == {0}
@@ -48,7 +48,7 @@ def test_a_transient_exception_is_recovered(tmp_path):
 def test_ddp_misuse_is_one_line_and_stops(tmp_path, mode, says):
     job = _run(tmp_path, mode)
     assert job.returncode == STOPPED, job.stderr[-3000:]
-    lines = [line for line in job.stderr.splitlines() if line.strip()]
+    lines = console_lines(job.stderr)
     assert len(lines) == 1 and says in lines[0], job.stderr
     assert "sup.ddp(model)" in lines[0]
 

@@ -1,7 +1,8 @@
 """A plain torchrun script: env:// init, all-reduces for SECONDS, a result file per rank and attempt.
 
 With KILL_RANK set, that rank SIGKILLs itself at iteration 20 of the first
-attempt; with HANG_RANK set, that rank sleeps there instead.
+attempt; with HANG_RANK set, that rank sleeps there instead. With STEP_LOG set,
+rank 0 appends "time iteration attempt" there each iteration (bench/dropin.py).
 """
 
 import os
@@ -29,6 +30,9 @@ def main(beat=None):
             break
         if beat is not None:
             beat(it)
+        if rank == 0 and os.environ.get("STEP_LOG"):
+            with open(os.environ["STEP_LOG"], "a") as log:
+                log.write(f"{time.time()} {it} {attempt}\n")
         if attempt == 0 and it == 20 and os.environ.get("KILL_RANK") == str(rank):
             os.kill(os.getpid(), signal.SIGKILL)
         if attempt == 0 and it == 20 and os.environ.get("HANG_RANK") == str(rank):

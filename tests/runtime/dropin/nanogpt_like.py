@@ -6,7 +6,8 @@ It resumes from OUT_DIR/ckpt.pt when that exists (init_from = 'resume'), writes
 it every EVAL_INTERVAL iterations, and saves the final weights to
 OUT_DIR/final.pt. With PAUSE_RANK set, that rank of the first attempt writes
 OUT_DIR/paused once it has saved a checkpoint and waits there (for the test to
-SIGKILL it).
+SIGKILL it). MAX_ITERS overrides the length; with STEP_LOG set, rank 0 appends
+"time iteration attempt" there each iteration (bench/dropin.py reads it).
 """
 
 import os
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-MAX_ITERS = 30
+MAX_ITERS = int(os.environ.get("MAX_ITERS", "30"))
 EVAL_INTERVAL = 10
 BATCH, BLOCK, VOCAB, D = 4, 16, 64, 32
 
@@ -76,6 +77,9 @@ if __name__ == "__main__":
         if (attempt == 0 and os.environ.get("PAUSE_RANK") == str(rank) and iter_num == EVAL_INTERVAL + 2):
             open(os.path.join(out_dir, "paused"), "w").close()
             time.sleep(120)  # SIGKILLed here by the test
+        if master and os.environ.get("STEP_LOG"):
+            with open(os.environ["STEP_LOG"], "a") as log:
+                log.write(f"{time.time()} {iter_num} {attempt}\n")
         x, y = get_batch(iter_num, rank)
         loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
