@@ -2,19 +2,20 @@
 
 A hang report that says "rank 2, forward, 3 s" tells where the rank stopped
 reporting progress, not why. Each supervised rank installs a ``faulthandler``
-dump on ``SIGUSR1`` into ``RUN_DIR/.monitors/rank{r}.stacks``: the handler is
+dump on ``SIGUSR2`` into ``RUN_DIR/.monitors/rank{r}.stacks``: the handler is
 C code that reads the interpreter's frames without taking the GIL, so it works
 while the main thread spins in C code holding the GIL or blocks in a system
-call. The agent sends ``SIGUSR1`` to a hung rank, waits until the dump is
+call. The agent sends ``SIGUSR2`` to a hung rank, waits until the dump is
 written (two of its polls, at most ``DUMP_WAIT_S``), then sends ``SIGKILL``
 and logs the new part of the file.
 
 A stopped process (SIGSTOP) cannot run its handler: the agent sees its state
 in ``/proc`` and kills it at once. A rank whose script never installed the
 handler (no stacks file, or none written by this process) would die of
-``SIGUSR1``'s default action, so it is never sent one. Nor is a rank whose
-script had its own ``SIGUSR1`` handler (schedulers use the signal to warn of
-preemption): the dump is then not installed, so as not to replace it.
+``SIGUSR2``'s default action, so it is never sent one. Nor is a rank whose
+script had its own ``SIGUSR2`` handler: the dump is then not installed, so as
+not to replace it. (``SIGUSR1`` is left to preemption: Slurm's ``--signal``
+sends it; resilient_train.preempt.)
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ def stacks_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
 
 
 def install_stack_dump(run_dir: str | os.PathLike[str], rank: int) -> IO[str] | None:
-    """In a rank: dump every thread's stack to its stacks file on SIGUSR1. Keep the returned file open.
+    """In a rank: dump every thread's stack to its stacks file on SIGUSR2. Keep the returned file open.
 
-    Returns ``None`` (and installs nothing) when the process already handles SIGUSR1, or when the
+    Returns ``None`` (and installs nothing) when the process already handles SIGUSR2, or when the
     stacks file cannot be opened (a symbolic link is never followed).
     """
-    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+    if signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None):
         return None
     path = stacks_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +54,7 @@ def install_stack_dump(run_dir: str | os.PathLike[str], rank: int) -> IO[str] | 
     except OSError:
         return None
     f = os.fdopen(fd, "a", buffering=1)  # lives as long as the process
-    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    faulthandler.register(signal.SIGUSR2, file=f, all_threads=True, chain=False)
     f.write(f"# pid {os.getpid()}\n")  # after the handler: the agent signals only a process that wrote this
     return f
 
@@ -77,7 +78,7 @@ class StackDumps:
         self._sizes: dict[int, int] = {}  # file size at the last ``written`` check
 
     def request(self, rank: int, pid: int) -> bool:
-        """Sends SIGUSR1 when the rank can answer it; False when it cannot (no handler, stopped, gone)."""
+        """Sends SIGUSR2 when the rank can answer it; False when it cannot (no handler, stopped, gone)."""
         path = stacks_path(self.run_dir, rank)
         try:
             fd = open_nofollow(path, os.O_RDONLY)
@@ -90,7 +91,7 @@ class StackDumps:
             return False
         self._offsets[rank] = len(data)
         try:
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, signal.SIGUSR2)
         except ProcessLookupError:
             return False
         return True

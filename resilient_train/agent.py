@@ -97,7 +97,7 @@ class AgentConfig:
     chaos: str = ""  # JSON list of faults for the workers (chaos.dumps_faults)
     env: dict[str, str] = field(default_factory=dict)
     output: OutputConfig = field(default_factory=OutputConfig)
-    signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # forwarded to the workers
+    signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # forwarded to the workers
     shutdown_timeout_s: float = 30.0  # after a forwarded signal, then SIGKILL
     virtual_local_rank: bool = False
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
@@ -381,7 +381,9 @@ class Agent:
                     self._start_spare()
                 if self._stop_code is not None:
                     reason = self._stop_reason or "the rerun policy stopped the job"
-                    self._stop_workers()
+                    # Preempted ranks are writing their checkpoint: they get the shutdown timeout.
+                    self._stop_workers(grace_s=self.config.shutdown_timeout_s
+                                       if self._stop_code == exitcodes.REQUEUE else 5.0)
                     self.events.emit("agent_end", ok=False, reason=reason, exit_code=self._stop_code,
                                      restarts=self.restarts)
                     self._say(f"job stopped: {reason} (exit code {self._stop_code})")
@@ -438,7 +440,12 @@ class Agent:
                 except ProcessLookupError:
                     pass
         self._stop_workers(grace_s=self.config.shutdown_timeout_s)
-        code = 128 + signum
+        # Supervisor ranks take the signal for a preemption: they exit REQUEUE after a checkpoint.
+        preempted = any(w.proc.returncode == exitcodes.REQUEUE for w in self.workers.values())
+        code = exitcodes.REQUEUE if preempted else 128 + signum
+        if preempted:
+            self._say("preempted: the workers checkpointed and stopped; start the job again to resume "
+                      f"(exit code {code})")
         self.events.emit("agent_end", ok=False, reason=f"received {name}", exit_code=code, restarts=self.restarts)
         return code
 
@@ -470,6 +477,13 @@ class Agent:
                     self.events.emit("worker_stopped_job", rank=w.rank, exit_code=rc, reason=stop.get("summary"))
                     self._stop_reason = f"rank {stop.get('rank', w.rank)} stopped it: {stop.get('summary')}"
                 self._stop_code = int(stop.get("exit_code", exitcodes.STOPPED))
+                continue
+            if rc == exitcodes.REQUEUE:
+                # Preempted: every rank stopped at one boundary after its checkpoint (resilient_train.preempt).
+                if self._stop_code is None:
+                    self.events.emit("worker_preempted", rank=w.rank)
+                    self._stop_reason = "preempted; start the job again to resume from its checkpoint"
+                self._stop_code = exitcodes.REQUEUE
                 continue
             if rc == EXIT_VALIDATION_FAILED:
                 # The rerun policy stopped the job after saving the last good state: not a rank to replace.

@@ -55,7 +55,7 @@ class CommitGate:
     def __init__(self, *, world_size: int, group: Callable[[], dist.ProcessGroup | None],
                  device: torch.device, vote: Callable[[], float], moved: Callable[[], bool],
                  decide: Callable[[float], None], before_update: Callable[[], None],
-                 on_optimizer: Callable[[], None] = lambda: None) -> None:
+                 on_optimizer: Callable[[], None] = lambda: None, stop: Callable[[], float] = lambda: 0.0) -> None:
         self.world_size = world_size
         self._group = group
         self._device = device
@@ -64,8 +64,10 @@ class CommitGate:
         self._decide = decide
         self._before_update = before_update
         self._on_optimizer = on_optimizer  # the optimizer phase begins (if the script did not mark it)
+        self._stop = stop
         self.reducers: list[GradientReducer] = []
         self.committed = False
+        self.stop_agreed = False  # some rank asked every rank to stop after this step (it rode with the vote)
         self._fallback_used = False
 
     def begin_step(self) -> None:
@@ -84,8 +86,10 @@ class CommitGate:
         reduced = [r for r in self.reducers if r.reduced]
         if reduced:
             totals = [r.vote_sum() for r in reduced]  # on a GPU: waits for the reduction's kernels
+            stops = [r.stop_sum() for r in reduced]
         else:
-            totals = [self._fallback_vote()]
+            total, stop = self._fallback_vote()
+            totals, stops = [total], [stop]
         if self._moved():
             raise GenerationFailed("the generation was declared failed while the step ran")
         for total in totals:
@@ -95,18 +99,20 @@ class CommitGate:
                 raise GenerationFailed(f"only {total:g} of {self.world_size} ranks voted to commit the step")
         self._decide(totals[0])
         self._before_update()
+        self.stop_agreed = self.stop_agreed or any(s > 0 for s in stops)
         self.committed = True
 
-    def _fallback_vote(self) -> float:
-        """The vote of a step whose gradients did not go through a reducer (one rank, or the user's own)."""
-        vote = self._vote()
+    def _fallback_vote(self) -> tuple[float, float]:
+        """The vote and stop flag of a step whose gradients did not go through a reducer (one rank, or the user's own)."""
+        vote, stop = self._vote(), self._stop()
         if self.world_size == 1:
-            return vote
+            return vote, stop
         if not self._fallback_used:
-            self._fallback_used = True  # a one-element all-reduce per step: the cost of an unknown reduction
-        t = torch.tensor([vote], dtype=torch.float32, device=self._device)
+            self._fallback_used = True  # a two-element all-reduce per step: the cost of an unknown reduction
+        t = torch.tensor([vote, stop], dtype=torch.float32, device=self._device)
         dist.all_reduce(t, group=self._group())
-        return float(t.item())
+        total, stops = t.tolist()
+        return total, stops
 
 
 class BufferGuard:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from checkpointing import CheckpointConfig
 from monitors.cupti_kernels import CuptiConfig
 from resilient_train import env as envvars
+from resilient_train.preempt import PreemptionConfig
 from resilient_train.reducer import DEFAULT_CHUNK_MB
 from resilient_train.rerun import RerunConfig
 
@@ -32,6 +33,8 @@ class SupervisorConfig:
     rerun: RerunConfig = field(default_factory=RerunConfig)  # result validation and re-runs (resilient_train.rerun)
     # NVRx's CUPTI kernel scores, reported as events (needs the nvrx extra and CUDA; monitors.cupti_kernels)
     cupti: CuptiConfig | None = None
+    # SIGTERM/SIGUSR1: every rank stops at one boundary, after a committed checkpoint (resilient_train.preempt)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
     def __post_init__(self) -> None:
         if self.steps < 0:

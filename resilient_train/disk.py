@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from checkpointing import CheckpointConfig, CheckpointManager, NoCheckpointError
+from checkpointing.lifecycle import SavePhase
 from monitors import EventLog
 from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
 from resilient_train.store import Keys, wait_until
@@ -75,6 +76,12 @@ class DiskCheckpoints:
             if monitors is not None:
                 extras[CHECKPOINT_EXTRAS_KEY] = monitors
         self._manager.save(state.step, self._state_dict(state), extras=extras, required=required)
+
+    def save_now(self, state: TrainState, *, timeout_s: float | None) -> bool:
+        """Saves ``state.step`` and waits for the commit (a preemption); True once committed."""
+        self.save(state, required=True)
+        phase = self._manager.wait(timeout=timeout_s if timeout_s is not None else 10**9)
+        return phase is SavePhase.COMMITTED
 
     def load_agreed(self, state: TrainState, store: dist.Store, generation: int, *, timeout: float) -> int | None:
         """Every rank loads the same step: rank 0 picks the newest committed one.

@@ -8,6 +8,8 @@ code   meaning
 2      bad input: a one-line error, before any worker started
 16     rerun: a rank computed wrong results and was excluded (re-run elsewhere)
 17     rerun: validation failed on a genuine event; the last good state is saved
+75     preempted: a signal (SIGTERM, SIGUSR1) stopped every rank at one step
+       boundary after a committed checkpoint; start the job again (requeue)
 28     stopped: the disk is full (a checkpoint or the final state could not be
        written; restarting would fail the same way)
 93     stopped, do not requeue: a bug (an exception that reproduced on its
@@ -21,7 +23,7 @@ code   meaning
 
 from __future__ import annotations
 
-__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "OK", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
+__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
 
 OK = 0
 FAILED = 1
@@ -30,3 +32,4 @@ RERUN_ELSEWHERE = 16
 VALIDATION_FAILED = 17
 DISK_FULL = 28  # checkpointing.EXIT_DISK_FULL
 STOPPED = 93
+REQUEUE = 75  # EX_TEMPFAIL: preempted, resume by starting again

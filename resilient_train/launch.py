@@ -68,8 +68,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--local-addr", "--local_addr", default=None, help="accepted: one node connects on --master-addr")
     t.add_argument("--logs-specs", "--logs_specs", default=None, help="refused: use --log-dir")
     t.add_argument("--numa-binding", "--numa_binding", default=None, help="refused (GPU affinity is not handled)")
-    t.add_argument("--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-                   help="signals forwarded to the workers before the agent exits")
+    t.add_argument("--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                   help="signals forwarded to the workers before the agent exits (SIGUSR1 added: Slurm's "
+                        "--signal; Supervisor ranks take SIGTERM and SIGUSR1 for a preemption)")
     t.add_argument("--shutdown-timeout", "--shutdown_timeout", type=float, default=None,
                    help="seconds the workers get after a forwarded signal before SIGKILL (default 30)")
     t.add_argument("--virtual-local-rank", "--virtual_local_rank", action="store_true",

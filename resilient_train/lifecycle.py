@@ -22,6 +22,7 @@ class SupervisorState(str, Enum):
     RESTORING = "restoring"
     TRAINING = "training"
     FINISHING = "finishing"
+    PREEMPTING = "preempting"  # a stop was agreed: the checkpoint of this boundary, then exit REQUEUE
     RECOVERING = "recovering"
     DONE = "done"
     FAILED = "failed"
@@ -32,7 +33,8 @@ _ALLOWED: dict[SupervisorState, frozenset[SupervisorState]] = {
     _S.STARTING: frozenset({_S.JOINING, _S.FAILED}),
     _S.JOINING: frozenset({_S.RESTORING, _S.RECOVERING, _S.DONE, _S.FAILED}),
     _S.RESTORING: frozenset({_S.TRAINING, _S.RECOVERING, _S.FAILED}),
-    _S.TRAINING: frozenset({_S.FINISHING, _S.RECOVERING, _S.FAILED}),
+    _S.TRAINING: frozenset({_S.FINISHING, _S.PREEMPTING, _S.RECOVERING, _S.FAILED}),
+    _S.PREEMPTING: frozenset({_S.DONE, _S.RECOVERING, _S.FAILED}),
     _S.FINISHING: frozenset({_S.DONE, _S.RECOVERING, _S.FAILED}),
     _S.RECOVERING: frozenset({_S.JOINING, _S.FAILED}),
     _S.DONE: frozenset(),

@@ -37,6 +37,9 @@ __all__ = ["FlatLayout", "GradientReducer", "ReducerHooks"]
 DEFAULT_CHUNK_MB = 25.0  # DDP's default bucket size
 
 
+VOTE_SLOTS = 2  # the vote and the stop flag ride at the end of the last chunk
+
+
 class FlatLayout:
     """Offsets of each parameter in the flat buffer, and the chunks it is reduced in."""
 
@@ -67,9 +70,10 @@ class FlatLayout:
             self.chunk_of[i] = len(self.chunks)
             self.chunk_params[-1].append(i)
             offset += n
-        self.vote_index = offset
-        self.numel = offset + 1
-        self.chunks.append((start, self.numel))  # the last chunk ends with the vote
+        self.vote_index = offset  # the commit vote, summed
+        self.stop_index = offset + 1  # the stop flag (a preemption), summed
+        self.numel = offset + VOTE_SLOTS
+        self.chunks.append((start, self.numel))  # the last chunk ends with the vote and the stop flag
         self.index = {id(p): i for i, p in enumerate(self.params)}
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
@@ -84,10 +88,13 @@ class ReducerHooks:
     ``before_chunk(views, last)`` sees the local gradients of a chunk just
     before it is reduced (value faults, the local gradient norm);
     ``vote()`` publishes the next boundary's local state and returns this
-    rank's vote; ``group()`` is the current generation's process group.
+    rank's vote; ``stop()`` is its stop flag (a preemption signal seen), summed
+    with the others' so that every rank learns it after the same step;
+    ``group()`` is the current generation's process group.
     """
 
     vote: Callable[[], float]
+    stop: Callable[[], float] = lambda: 0.0  # 1.0: this rank asks every rank to stop after this step
     group: Callable[[], dist.ProcessGroup | None] = lambda: None
     before_chunk: Callable[[list[torch.Tensor], bool], None] | None = None
 
@@ -111,6 +118,7 @@ class GradientReducer:
         self._in_flight: Any = None  # the last gloo work launched (see _reduce_chunk)
         self.reduced = False  # the vote chunk went out this step
         self._solo_vote: float | None = None  # a world of one: the vote never leaves the host
+        self._solo_stop = 0.0
 
     def forget(self) -> None:
         """After a failure: forgets the step and the buffer, which a collective left running may still write."""
@@ -137,11 +145,20 @@ class GradientReducer:
         self._done[-1].wait()
         return float(self._flat[self.layout.vote_index])
 
+    def stop_sum(self) -> float:
+        """Every rank's stop flag added up (after :meth:`vote_sum`, which waited for the reduction)."""
+        assert self.reduced, "no reduction this step"
+        if self._solo_vote is not None:
+            return self._solo_stop
+        assert self._flat is not None
+        return float(self._flat[self.layout.stop_index])
+
     def _solo(self, grads: list[torch.Tensor]) -> None:
         """A world of one: nothing to reduce or copy; the hooks still see the gradients, the vote is cast."""
         if self.hooks.before_chunk is not None:
             self.hooks.before_chunk(grads, True)
         self._solo_vote = self.hooks.vote()
+        self._solo_stop = self.hooks.stop()
         self.reduced = True
 
     def _world_size(self) -> int:
@@ -235,6 +252,7 @@ class GradientReducer:
             try:
                 if last:
                     flat[L.vote_index] = self.hooks.vote()
+                    flat[L.stop_index] = self.hooks.stop()
                     self.reduced = True
                 self._reduce_chunk(flat, c, self._done[c])
             except BaseException as e:
@@ -250,7 +268,7 @@ class GradientReducer:
         if world == 1:
             _settle(done, result=[piece])
             return
-        grads_end = end - 1 if end == self.layout.numel else end  # the vote is summed, never averaged
+        grads_end = end - VOTE_SLOTS if end == self.layout.numel else end  # the vote is summed, never averaged
 
         def finish(f: torch.futures.Future) -> None:
             try:

@@ -39,14 +39,15 @@ class Stepper:
     def __init__(self, *, state: TrainState, ctx: StepContext, parts: Parts, rerun: RerunPart | None,
                  slots: LocalSlots, events: EventLog, world_size: int, device: torch.device, chunk_mb: float,
                  group: Callable[[], dist.ProcessGroup | None], moved: Callable[[], bool],
-                 training: Callable[[], bool]) -> None:
+                 training: Callable[[], bool], stop: Callable[[], float] = lambda: 0.0) -> None:
         self.state, self.ctx, self.parts, self.rerun = state, ctx, parts, rerun
         self._slots, self._events, self._device, self._chunk_mb = slots, events, device, chunk_mb
         self._group, self._moved, self._training = group, moved, training
         self.rank = ctx.rank
         self.gate = CommitGate(world_size=world_size, group=group, device=device, vote=self._vote, moved=moved,
                                decide=self._decide, before_update=self._before_update,
-                               on_optimizer=lambda: self.auto_phase(Phase.OPTIMIZER.value))
+                               on_optimizer=lambda: self.auto_phase(Phase.OPTIMIZER.value), stop=stop)
+        self._stop = stop
         self._hooks = [state.optimizer.register_step_pre_hook(self.gate.pre_hook)] if state.optimizer else []
         self.guard = BufferGuard(state.model)
         self.loss = LossReadout()
@@ -62,7 +63,7 @@ class Stepper:
 
     # ------------------------------------------------------------ reducers
     def new_reducer(self, params: Any) -> GradientReducer:
-        hooks = ReducerHooks(vote=self._vote, group=self._group,
+        hooks = ReducerHooks(vote=self._vote, stop=self._stop, group=self._group,
                              before_chunk=lambda views, last: self.parts.before_chunk(views, last, self.ctx.step))
         reducer = GradientReducer(list(params), hooks, chunk_mb=self._chunk_mb)
         self.gate.reducers.append(reducer)

@@ -30,10 +30,11 @@ from chaos.faults import RECOVERY_PHASES
 from monitors import EventLog, ProgressReporter
 from monitors.stacks import install_stack_dump
 from resilient_train import env as envvars
+from resilient_train import exitcodes
 from resilient_train.config import SupervisorConfig
 from resilient_train.context import StepContext, StepFn
 from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_before_run
-from resilient_train.disk import DiskCheckpoints
+from resilient_train.disk import DiskCheckpoints, default_checkpoint_config
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
 from resilient_train.finish import finish_run, write_final
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
@@ -42,6 +43,7 @@ from resilient_train.heal import receive_state, send_state
 from resilient_train.judge import Judge, Stop
 from resilient_train.lifecycle import Lifecycle, SupervisorState
 from resilient_train.local_state import LocalSlots, encode_local
+from resilient_train.preempt import Preemption
 from resilient_train.parts import ChaosPart, CuptiPart, DiskPart, Part, Parts, ProgressPart, SnapshotPart
 from resilient_train.reducer import GradientReducer
 from resilient_train.rerun.driver import RerunHooks
@@ -77,7 +79,7 @@ class Supervisor:
         self.generation = -1
         self.group: dist.ProcessGroup | None = None
         self._ddps: list[tuple[ReplicatedModule, GradientReducer | None]] = []
-        # On SIGUSR1 every thread's stack goes to RUN_DIR/.monitors/rank{r}.stacks: the agent asks before it
+        # On SIGUSR2 every thread's stack goes to RUN_DIR/.monitors/rank{r}.stacks: the agent asks before it
         # kills a hung rank.
         self._stacks_file = install_stack_dump(self.run_dir, self.env.rank) if self.run_dir else None
         self.store = connect_worker_store(self.env, timeout=timedelta(seconds=config.join_timeout_s))
@@ -107,6 +109,8 @@ class Supervisor:
         self.state = state
         self.ctx = StepContext(self)
         self._on_new_group = on_new_group
+        self.preemption = Preemption(self.config.preemption)  # SIGTERM/SIGUSR1 from here on: a stop at a boundary
+        self._preempted: tuple[int, bool] | None = None  # (step, checkpoint committed) once stopped for one
         self._setup_parts(state)
         self.store.set(Keys.supervised(self.env.rank), str(os.getpid()))
         self.events.emit("run_start", rank=self.env.rank, pid=os.getpid(), world_size=self.env.world_size,
@@ -122,7 +126,7 @@ class Supervisor:
         self._stopped: JobStopped | None = None
         handlers: dict[SupervisorState, Callable[[], SupervisorState]] = {
             _S.JOINING: self._join, _S.RESTORING: self._restore, _S.TRAINING: lambda: self._train(step_fn),
-            _S.FINISHING: self._finish, _S.RECOVERING: self._recover,
+            _S.FINISHING: self._finish, _S.RECOVERING: self._recover, _S.PREEMPTING: self._preempt,
         }
         self.lifecycle.to(_S.JOINING)
         try:
@@ -135,9 +139,12 @@ class Supervisor:
                     nxt = self._judge(exc)
                 self.lifecycle.to(nxt)
         finally:
+            self.preemption.close()
             self._watcher.close()
             self.stepper.close()
             self._release_group()
+            if self.disk is not None and self.parts.of(DiskPart) is None:
+                self.disk.close()  # the preemption-only checkpoints
             for part, error in self.parts.close():
                 self.events.emit("part_close_failed", rank=self.env.rank, part=part, error=error[:500])
                 print(f"resilient-train: rank {self.env.rank}: {part} did not close cleanly: {error.splitlines()[0]}",
@@ -146,6 +153,10 @@ class Supervisor:
             self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step,
                              recoveries=self.judge.recoveries, stopped=self._stopped.reason)
             raise SystemExit(self._stopped.exit_code)
+        if self._preempted is not None:
+            self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step,
+                             recoveries=self.judge.recoveries, preempted=True)
+            raise SystemExit(exitcodes.REQUEUE)
         self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step, recoveries=self.judge.recoveries)
         return state
 
@@ -165,6 +176,11 @@ class Supervisor:
             parts.append(CuptiPart(c.cupti, self.events))
         self.disk = (DiskCheckpoints(c.checkpoint, rank=rank, world_size=self.env.world_size, store=self.store,
                                      events=self.events, run_dir=self.run_dir) if c.checkpoint is not None else None)
+        if self.disk is None and self.run_dir is not None and (self.run_dir / "checkpoints").is_dir():
+            # Checkpoints without a checkpoint config: a preemption's (resilient_train.preempt), to resume from.
+            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0), rank=rank,
+                                        world_size=self.env.world_size, store=self.store, events=self.events,
+                                        run_dir=self.run_dir)
         if self.disk is not None:
             parts.append(DiskPart(self.disk, self._enter, steps=c.steps))
         self.snapshot: SnapshotPart | None = None
@@ -182,7 +198,7 @@ class Supervisor:
         self.parts = Parts(parts)
         self.stepper = Stepper(state=state, ctx=self.ctx, parts=self.parts, rerun=self.rerun, slots=self.slots,
                                events=self.events, world_size=self.env.world_size, device=self.device,
-                               chunk_mb=c.chunk_mb, group=lambda: self.group,
+                               chunk_mb=c.chunk_mb, group=lambda: self.group, stop=self.preemption.flag,
                                moved=lambda: self._watcher.moved.is_set(),
                                training=lambda: self.lifecycle.state is _S.TRAINING)
         if self.env.replacement:
@@ -244,8 +260,34 @@ class Supervisor:
             self.parts.on_step_end(state)
             if self.env.rank == 0:
                 self.events.emit("step_done", step=state.step, loss=self.stepper.loss.value(), generation=self.generation)
+            if self.stepper.gate.stop_agreed and state.step < self.config.steps:
+                return _S.PREEMPTING  # every rank read the same stop flag with this step's vote
             self.ctx.enter(Phase.BETWEEN_STEPS)
         return _S.FINISHING
+
+    def _preempt(self) -> SupervisorState:
+        """Every rank is at this boundary: its checkpoint, committed (within the grace), then exit REQUEUE."""
+        state, rank, p = self.state, self.env.rank, self.config.preemption
+        self.events.emit("preempting", rank=rank, step=state.step, signal=self.preemption.signal)
+        self._enter("checkpoint", state.step)
+        if self.disk is None:
+            if self.run_dir is None:
+                raise UsageError("preempted without a run directory to write the checkpoint to")
+            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0), rank=rank,
+                                        world_size=self.env.world_size, store=self.store, events=self.events,
+                                        run_dir=self.run_dir)
+        if not any(isinstance(part, DiskPart) for part in self.parts.parts):
+            self.disk.on_generation(self.store, self.generation)  # a DiskPart would have done both
+            self.disk.prepare(state)
+        committed = self.disk.save_now(state, timeout_s=None if p.on_grace_expiry == "wait" else p.grace_s)
+        self._preempted = (state.step, committed)
+        self.events.emit("preempted", rank=rank, step=state.step, checkpoint_committed=committed,
+                         signal=self.preemption.signal)
+        if rank == 0:
+            how = "its checkpoint is committed" if committed else f"its checkpoint did not commit within {p.grace_s:g} s"
+            print(f"resilient-train: preempted: every rank stopped at step {state.step}; {how}; "
+                  f"start the job again to resume (exit code {exitcodes.REQUEUE})", file=sys.stderr, flush=True)
+        return _S.DONE
 
     def _finish(self) -> SupervisorState:
         self._enter("checkpoint", self.state.step)  # waiting for every rank, then for the final state

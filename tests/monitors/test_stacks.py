@@ -20,7 +20,7 @@ def _spin_with_dump(run_dir: str, ready) -> None:
 
 
 def _own_handler(run_dir: str, ready) -> None:
-    signal.signal(signal.SIGUSR1, lambda *_: None)  # the script's own (a scheduler's preemption warning)
+    signal.signal(signal.SIGUSR2, lambda *_: None)  # the script's own
     assert install_stack_dump(run_dir, 0) is None
     ready.set()
     time.sleep(600)
@@ -54,7 +54,7 @@ def test_no_signal_to_a_process_that_cannot_answer_it(tmp_path, procs: Procs) ->
     assert not dumps.request(0, plain.pid)
 
     ready = CTX.Event()
-    own = procs.start(_own_handler, str(tmp_path), ready)  # its own SIGUSR1 handler: not replaced
+    own = procs.start(_own_handler, str(tmp_path), ready)  # its own SIGUSR2 handler: not replaced
     assert ready.wait(30)
     assert not stacks_path(tmp_path, 0).exists() and not dumps.request(0, own.pid)
 
