@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
+import hashlib
 import json
 import os
 import select
@@ -39,6 +40,7 @@ from monitors.persist import monitor_state_path, offered_state_path, take_offer
 from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
 from resilient_train.entry import Entry, EntryKind
+from resilient_train.nodes import Heartbeat, NodeKeys, NodeWatch, assign_spare, claim_loss, register_node, register_spare, wait_for_assignment
 from resilient_train.restarts import Decision, ExitClock, Failure, RestartPolicy
 from resilient_train.workerio import Console, OutputConfig, WorkerOutput
 from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
@@ -100,6 +102,8 @@ class AgentConfig:
     signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # forwarded to the workers
     shutdown_timeout_s: float = 30.0  # after a forwarded signal, then SIGKILL
     virtual_local_rank: bool = False
+    spare: bool = False  # a spare node's agent: it waits, then takes over a lost node (resilient_train.nodes)
+    node_timeout_s: float = 10.0  # a node whose agent has not beaten for this long is lost
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
     dashboard: DashboardConfig | None = None  # serve the live dashboard (monitors.dashboard) while the job runs
 
@@ -111,8 +115,14 @@ class AgentConfig:
         self.script = self.script or self.entry.target
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
-        if self.nnodes != 1:
-            raise ValueError("only --nnodes 1 is supported for now (one agent per node is planned)")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("--nnodes > 1 needs the store's port: --master-port P (or --rdzv-endpoint HOST:PORT)")
+        if self.spare and self.nnodes == 1:
+            raise ValueError("--spare is for a many-node job (--nnodes > 1)")
+        if self.node_timeout_s <= 0:
+            raise ValueError(f"--node-timeout must be > 0, got {self.node_timeout_s}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if not 0 <= self.master_port < 65536:
@@ -163,6 +173,7 @@ class Agent:
         assert config.entry is not None
         self.entry: Entry = config.entry
         self.run_dir = Path(config.run_dir)
+        self._hosting = config.node_rank == 0 and not config.spare  # node 0's agent hosts the store
         self._check_run_dir()
         self._dashboard: DashboardServer | None = None
         if config.dashboard is not None:
@@ -170,15 +181,21 @@ class Agent:
                 self._dashboard = DashboardServer(self.run_dir, config.dashboard)
             except ValueError as e:
                 raise AgentError(str(e)) from None
-        self.events = EventLog(self.run_dir / "events.jsonl", source="agent")
-        first = config.node_rank * config.nproc_per_node
+        self.events = EventLog(self.run_dir / "events.jsonl", source=self._source())
         self._stacks = StackDumps(self.run_dir)
-        self.monitor = NodeMonitor(config.monitor, self.run_dir, range(first, first + config.nproc_per_node),
-                                   events=EventLog(self.run_dir / "events.jsonl", source="monitor"))
+        self._monitor_for(config.node_rank)
         self._attempt = 0  # whole-group restarts (unsupervised scripts)
         self._server: dist.Store | None = None
-        self.store = self._host_store(config.master_port)
-        self.port = self._server.port  # type: ignore[union-attr]  (every attempt keeps it)
+        self._token = job_token(config)
+        if self._hosting:
+            self.store = self._host_store(config.master_port)
+            self.port = self._server.port  # type: ignore[union-attr]  (every attempt keeps it)
+        else:
+            self.store = self._connect_store()
+            self.port = config.master_port
+        self._nodes = NodeWatch(self.store, config.node_rank, config.nnodes, config.node_timeout_s)
+        self._handled_losses: set[tuple[int, int]] = set()
+        self._heartbeat: Heartbeat | None = None
         self.workers: dict[int, _Worker] = {}
         self.replacements = 0
         self.policy = RestartPolicy(config.max_restarts)
@@ -193,8 +210,22 @@ class Agent:
         self._signal: int | None = None  # a signal to forward to the workers (config.signals)
         self._spare_due: float | None = None  # when to start the next warm spare (monotonic)
         self._attempt_step = -1  # the highest step any rank of this attempt reported
+        self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
+
+    def _source(self) -> str:
+        c = self.config
+        return "agent" if c.nnodes == 1 else ("agent-spare" if c.spare else f"agent{c.node_rank}")
+
+    def _monitor_for(self, node_rank: int) -> None:
+        """The hang and straggler monitor of this node's ranks (a spare's, once it has a node)."""
+        c = self.config
+        first = node_rank * c.nproc_per_node
+        self.monitor = NodeMonitor(c.monitor, self.run_dir, range(first, first + c.nproc_per_node) if not c.spare else (),
+                                   events=EventLog(self.run_dir / "events.jsonl", source="monitor"))
         # The computed hang timeouts outlive the agent: a job restarted in this run directory keeps them.
         self._monitor_state = monitor_state_path(self.run_dir)
+        if node_rank > 0:
+            self._monitor_state = self._monitor_state.with_name(f"timeouts-node{node_rank}.json")
         try:
             if self.monitor.load_state(self._monitor_state) is not None:
                 self.events.emit("monitor_state_loaded", path=str(self._monitor_state), source="run directory",
@@ -202,7 +233,6 @@ class Agent:
         except ValueError as e:
             self.events.emit("monitor_state_ignored", path=str(self._monitor_state), reason=str(e))
         self._monitor_saved_at = time.monotonic()
-        self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
 
     @property
     def restarts(self) -> int:
@@ -212,8 +242,11 @@ class Agent:
     def _check_run_dir(self) -> None:
         # Private to its owner, no links where the runtime writes, and locked for this job's life:
         # a second job on the same run directory is refused (resilient_train.rundir).
+        c = self.config
+        name = ".lock" if self._hosting or c.nnodes == 1 else (f".lock.spare-{os.getpid()}" if c.spare
+                                                               else f".lock.node{c.node_rank}")
         try:
-            self._run_dir_lock = take_run_dir(self.run_dir)
+            self._run_dir_lock = take_run_dir(self.run_dir, name=name)
         except RunDirError as e:
             raise AgentError(str(e)) from None
 
@@ -241,10 +274,24 @@ class Agent:
         except (RuntimeError, OSError) as e:
             raise AgentError(f"cannot host the coordination store on port {port}: {str(e).splitlines()[0]}") from None
         self._server = store  # keeps the server alive; the agent itself talks through an attempt's keys
-        self._token = new_token()
+        if self.config.nnodes == 1:
+            self._token = new_token()  # a fresh secret namespace each attempt
         view = attempt_store(job_store(store, self._token), self._attempt)
         view.set(Keys.GENERATION, "0")
         return view
+
+    def _connect_store(self) -> dist.Store:
+        """A client of node 0's store, in the job's namespace (another node's agent; a heartbeat)."""
+        c = self.config
+        try:
+            store = dist.TCPStore(c.master_addr, self.port if self._hosting else c.master_port, is_master=False,
+                                  timeout=timedelta(seconds=60))
+        except (RuntimeError, OSError) as e:
+            raise AgentError(f"cannot reach the store on {c.master_addr}:{c.master_port} (node 0's agent): "
+                             f"{str(e).splitlines()[0]}") from None
+        if self._server is None:
+            self._server = store
+        return attempt_store(job_store(store, self._token), self._attempt)
 
     def _rehost_store(self) -> None:
         """The next attempt's store, on the same port (the old server is closed first)."""
@@ -302,7 +349,7 @@ class Agent:
         if spare is not None and spare.poll() is None and spare.stdin is not None:
             spec = {"argv": self.entry.python_argv + self.config.script_args, "env": env, "cwd": os.getcwd()}
             try:
-                spare.stdin.write(json.dumps(spec) + "\n")
+                spare.stdin.write((json.dumps(spec) + "\n").encode())
                 spare.stdin.close()
                 proc = spare
             except OSError:
@@ -328,7 +375,7 @@ class Agent:
         try:
             # Its output is piped from the start: once it becomes a rank, its stderr goes through the agent.
             self._spare = subprocess.Popen(
-                [sys.executable, "-u", "-m", "resilient_train.spare"], stdin=subprocess.PIPE, text=True,
+                [sys.executable, "-u", "-m", "resilient_train.spare"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 preexec_fn=_die_with_parent, pass_fds=(ready_w,),
                 env={**os.environ, **self.config.env, SPARE_READY_FD: str(ready_w)},
@@ -365,16 +412,20 @@ class Agent:
             # slow its import several-fold, and a fault early in the run would find it still cold.
             self._start_spare(wait_ready_s=30.0)
         previous = self._install_signal_handlers()
-        for local in range(c.nproc_per_node):
-            self._spawn(c.node_rank * c.nproc_per_node + local, 0, replacement=False)
-        if uses_runtime:
-            self._start_spare()
         try:
+            if c.spare and not self._take_a_node():
+                self.events.emit("agent_end", ok=True, restarts=0, spare_unused=True)
+                self._say("the job ended without needing this spare node")
+                return 0
+            self._start_node()
+            if uses_runtime:
+                self._start_spare()
             while True:
                 if self._signal is not None:
                     raise AgentStopped(self._signal)
                 self._poll_workers()
                 self._poll_monitor()
+                self._poll_nodes()
                 self._notice_supervised()
                 if self._spare_due is not None and time.monotonic() >= self._spare_due:
                     self._spare_due = None
@@ -387,13 +438,25 @@ class Agent:
                     self.events.emit("agent_end", ok=False, reason=reason, exit_code=self._stop_code,
                                      restarts=self.restarts)
                     self._say(f"job stopped: {reason} (exit code {self._stop_code})")
+                    self._leave_job()
                     return self._stop_code
                 if all(w.state is WorkerState.SUCCEEDED for w in self.workers.values()):
+                    self._leave_job()
                     self.events.emit("agent_end", ok=True, restarts=self.restarts)
                     return 0
                 time.sleep(c.monitor_interval_s)
         except AgentStopped as e:
             return self._forward_stop(e.signum)
+        except dist.DistError as e:
+            if self._hosting:
+                raise
+            # Node 0's agent hosts the store: its host is gone (or it stopped), and the job with it.
+            error = AgentError(f"lost the store on {c.master_addr}:{c.master_port} (node 0's agent is gone): "
+                               f"stopping; start the job again to resume from its newest checkpoint "
+                               f"({str(e).splitlines()[0][:120]})")
+            self.events.emit("agent_end", ok=False, reason=str(error), exit_code=error.exit_code,
+                             restarts=self.restarts)
+            raise error from None
         except AgentError as e:
             self.events.emit("agent_end", ok=False, reason=str(e), exit_code=e.exit_code, restarts=self.restarts)
             raise
@@ -401,6 +464,82 @@ class Agent:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self.close()
+
+    def _start_node(self) -> None:
+        """Registers this node's agent and starts its ranks: replacements when the job already ran without them."""
+        c = self.config
+        incarnation = 1
+        if c.nnodes > 1:
+            incarnation = register_node(self.store, c.node_rank)
+            self._heartbeat = Heartbeat(self._connect_store, c.node_rank, incarnation)
+        first = c.node_rank * c.nproc_per_node
+        # A node that comes back (or a spare taking one): its ranks' predecessors registered with the Supervisor.
+        returning = c.nnodes > 1 and (incarnation > 1 or c.spare) and self.store.check([Keys.supervised(first)])
+        if c.nnodes > 1:
+            self.events.emit("node_started", node=c.node_rank, incarnation=incarnation, returning=returning)
+        generation = current_generation(self.store) if returning else 0
+        for local in range(c.nproc_per_node):
+            self._spawn(first + local, generation, replacement=returning)
+
+    def _leave_job(self, timeout_s: float = 60.0) -> None:
+        """A many-node job: this node is done; node 0's agent keeps the store up until every node is."""
+        c = self.config
+        if c.nnodes == 1:
+            return
+        self.store.set(NodeKeys.done(c.node_rank), "1")
+        if not self._hosting:
+            return
+        deadline = time.monotonic() + timeout_s
+        pending = [n for n in range(c.nnodes) if n != c.node_rank]
+        while pending and time.monotonic() < deadline:
+            pending = [n for n in pending if not self.store.check([NodeKeys.done(n)])]
+            time.sleep(0.05)
+        if pending:
+            self._say(f"nodes {pending} did not finish within {timeout_s:g} s of this one; closing the store")
+
+    def _take_a_node(self) -> bool:
+        """A spare's wait: True once a lost node was handed to it (it is now that node), False when the job ended."""
+        c = self.config
+        index = register_spare(self.store)
+        self.events.emit("spare_waiting", spare=index)
+        self._say(f"spare node agent {index}: waiting for a node to replace")
+
+        def done() -> bool:
+            return self._signal is not None or self.store.check([Keys.FINAL]) or read_stop(self.store) is not None
+
+        node = wait_for_assignment(self.store, index, done=done)
+        if node is None:
+            if self._signal is not None:
+                raise AgentStopped(self._signal)
+            return False
+        c.node_rank = node
+        self._monitor_for(node)
+        self._nodes = NodeWatch(self.store, node, c.nnodes, c.node_timeout_s)
+        self._say(f"spare node agent {index}: taking over node {node}")
+        return True
+
+    def _poll_nodes(self) -> None:
+        """Beats for this node; the first agent to see another node lost hands it to a spare."""
+        c = self.config
+        if c.nnodes == 1:
+            return
+        for node, incarnation in self._nodes.poll():
+            if (node, incarnation) in self._handled_losses:
+                continue
+            self._handled_losses.add((node, incarnation))
+            if not claim_loss(self.store, node, incarnation, by=c.node_rank):
+                continue  # another agent handles it
+            g = current_generation(self.store)
+            declare_fault(self.store, g, {"rank": node * c.nproc_per_node, "kind": "node_lost", "node": node,
+                                          "time": time.time()})
+            spare = assign_spare(self.store, node)
+            self.events.emit("node_lost", node=node, incarnation=incarnation, generation=g, spare=spare,
+                             timeout_s=c.node_timeout_s)
+            if spare is not None:
+                self._say(f"node {node} lost (no beat for {c.node_timeout_s:g} s): handed to spare node agent {spare}")
+            else:
+                self._say(f"node {node} lost (no beat for {c.node_timeout_s:g} s) and no spare node: its ranks' "
+                          "peers wait for it to come back (their join timeout), then the job stops")
 
     def _say(self, line: str) -> None:
         self.console.write(f"resilient-train: {line}\n".encode())
@@ -578,6 +717,9 @@ class Agent:
 
     def _restart_all(self, failure: Failure, followed: list[_Worker]) -> None:
         """torchrun's recovery, for scripts that do not use the supervisor."""
+        if self.config.nnodes > 1:
+            raise AgentError(f"{failure.describe()}; restarting every worker of a plain script across nodes is not "
+                             "supported yet (the Supervisor's ranks are replaced in place on any node)")
         hung = [o.rank for o in followed if o.cause is not None and o.cause["kind"] == "hang"]
         if failure.kind == "hang" and hung:
             # Hung together: a rank waiting in a collective on a hung peer looks the same from outside.
@@ -658,6 +800,8 @@ class Agent:
             self.events.emit("monitor_state_not_saved", path=str(self._monitor_state), reason=str(e))
 
     def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.close()
         if self._dashboard is not None:
             self._dashboard.close()
         self._kill_workers()
@@ -677,3 +821,17 @@ def _kill_reason(cause: dict) -> str:
         return (f"hung {where}: no progress for {cause['since_progress_s']:.1f} s "
                 f"(timeout {cause['timeout_s']:.1f} s)")
     return "a straggler (straggler policy: replace)"
+
+
+def job_token(config: AgentConfig) -> str:
+    """The job's secret namespace in the store; the agents of a many-node job must share it."""
+    if config.nnodes == 1:
+        return new_token()
+    shared = os.environ.get(E.RT_JOB_TOKEN)
+    if shared:
+        return shared
+    if config.run_id != "none":
+        # Anyone who knows the id can reach the job's keys: RT_JOB_TOKEN (a secret) is better (docs/security.md).
+        return hashlib.sha256(f"resilient-train:{config.run_id}".encode()).hexdigest()[:32]
+    raise AgentError("--nnodes > 1 needs a job id the nodes share: --rdzv-id ID, or a secret RT_JOB_TOKEN "
+                     "in every node's environment")

@@ -31,7 +31,7 @@ _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """torchrun's flags (both spellings), then resilient-train's own."""
     t = p.add_argument_group("torchrun's flags (same meaning as under torchrun)")
-    t.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (only 1 for now)")
+    t.add_argument("--nnodes", default=None, help="nodes: N (MIN:MAX only with MIN == MAX); under srun: SLURM_NNODES")
     t.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
                    help="workers on this node: N, auto, cpu or gpu (default 1)")
     t.add_argument("--rdzv-backend", "--rdzv_backend", default="static", help="static or c10d (one node: the agent's store)")
@@ -61,8 +61,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="refused: use --log-dir")
     t.add_argument("--duplicate-stderr-filters", "--duplicate_stderr_filters", nargs="*", default=[],
                    help="refused: use --log-dir")
-    t.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank (default 0)")
-    t.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="address of the store (default 127.0.0.1)")
+    t.add_argument("--node-rank", "--node_rank", type=int, default=None,
+                   help="this node's rank (default 0; under srun: SLURM_NODEID)")
+    t.add_argument("--master-addr", "--master_addr", default=None,
+                   help="address of the store, node 0 (default 127.0.0.1; under srun: the first host of the job)")
     t.add_argument("--master-port", "--master_port", type=int, default=None,
                    help="port of the store, kept across restarts (default: a free one)")
     t.add_argument("--local-addr", "--local_addr", default=None, help="accepted: one node connects on --master-addr")
@@ -78,6 +80,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
     o = p.add_argument_group("resilient-train's flags")
     o.add_argument("--run-dir", default="runs/latest", help="events.jsonl, final/ and checkpoints go here (default runs/latest)")
+    o.add_argument("--spare", action="store_true",
+                   help="a spare node: wait, then take over a lost node's ranks (many-node jobs)")
+    o.add_argument("--node-timeout", type=float, default=10.0,
+                   help="seconds without a node agent's beat before the node counts as lost (default 10)")
     o.add_argument("--max-replacements", type=int, default=10,
                    help="in-place replacements of dead Supervisor ranks before giving up (default 10)")
     o.add_argument("--no-spare", action="store_true", help="do not keep a warm spare worker")
@@ -100,8 +106,8 @@ def _nnodes(value: str) -> int:
         raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX") from None
     if n_min != n_max:
         raise ValueError(f"--nnodes {value}: elastic node counts are not supported (give one number)")
-    if n_min != 1:
-        raise ValueError(f"--nnodes {value}: only one node is supported for now")
+    if n_min < 1:
+        raise ValueError(f"--nnodes {value}: at least one node")
     return n_min
 
 
@@ -188,10 +194,15 @@ def _refuse(args: argparse.Namespace) -> None:
 def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
     """The agent's configuration from parsed flags; ``ValueError`` with a one-line message for bad ones."""
     _refuse(args)
-    nnodes = _nnodes(args.nnodes)
+    slurm = slurm_defaults(os.environ)
+    nnodes = _nnodes(args.nnodes if args.nnodes is not None else str(slurm.get("nnodes", 1)))
     nproc = _nproc(args.nproc_per_node)
-    master_addr, master_port = args.master_addr, args.master_port
-    run_id = args.rdzv_id
+    master_addr = args.master_addr if args.master_addr is not None else str(slurm.get("master_addr", "127.0.0.1"))
+    master_port = args.master_port if args.master_port is not None else slurm.get("master_port")
+    node_rank = args.node_rank if args.node_rank is not None else int(slurm.get("node_rank", 0))
+    run_id = args.rdzv_id if args.rdzv_id != "none" else str(slurm.get("run_id", "none"))
+    if args.standalone and nnodes > 1:
+        raise ValueError("--standalone is for one node: give --nnodes 1, or --master-addr/--master-port")
     if args.standalone:
         # torchrun: a c10d store on a free local port, a random id; --rdzv-* are ignored.
         master_addr, master_port = "127.0.0.1", 0
@@ -208,7 +219,8 @@ def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
     )
     return AgentConfig(
         entry=_entry(args), script_args=args.script_args, nproc_per_node=nproc, nnodes=nnodes,
-        node_rank=args.node_rank, master_addr=master_addr, master_port=master_port or 0,
+        node_rank=node_rank, master_addr=master_addr, master_port=master_port or 0,
+        spare=args.spare, node_timeout_s=args.node_timeout,
         fixed_port=master_port not in (None, 0), run_id=run_id, role=args.role, run_dir=args.run_dir,
         max_restarts=args.max_restarts, max_replacements=args.max_replacements, warm_spare=not args.no_spare,
         chaos=args.chaos, monitor_interval_s=args.monitor_interval, output=output,
@@ -229,3 +241,34 @@ def _ranks_filter(value: str, nproc: int) -> frozenset[int] | None:
     if bad:
         raise ValueError(f"--local-ranks-filter: local rank {bad[0]} is not in [0, {nproc})")
     return ranks
+
+
+SLURM_PORT_BASE = 29500  # under srun without --master-port: 29500 + the job id's last three digits
+
+
+def slurm_defaults(environ: "os._Environ[str] | dict[str, str]") -> dict[str, object]:
+    """What ``srun`` tells each task: nodes, this node's index, the first host as node 0, the job id.
+
+    Flags given on the command line win over these.
+    """
+    if "SLURM_JOB_ID" not in environ or "SLURM_NODEID" not in environ:
+        return {}
+    out: dict[str, object] = {"node_rank": int(environ["SLURM_NODEID"]), "run_id": f"slurm-{environ['SLURM_JOB_ID']}"}
+    nnodes = environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES")
+    if nnodes:
+        out["nnodes"] = int(nnodes)
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if nodelist:
+        out["master_addr"] = first_host(nodelist)
+    out["master_port"] = SLURM_PORT_BASE + int(environ["SLURM_JOB_ID"]) % 1000
+    return out
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``gpu[03-05,07],cpu1`` -> ``gpu03``."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[: nodelist.index("]") + 1]
+    if "[" not in head:
+        return head
+    prefix, _, ranges = head.partition("[")
+    first = ranges.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + first

@@ -79,10 +79,13 @@ def prepare_run_dir(path: str | os.PathLike[str], *, mode: int = PRIVATE_MODE) -
     return p
 
 
-def lock_run_dir(path: str | os.PathLike[str]) -> RunDirLock:
-    """Takes the job's exclusive lock on ``path`` without waiting: a held one is refused at once, naming its pid."""
+def lock_run_dir(path: str | os.PathLike[str], *, name: str = LOCK_FILE) -> RunDirLock:
+    """Takes the job's exclusive lock on ``path`` without waiting: a held one is refused at once, naming its pid.
+
+    The agents of a many-node job share a run directory: each node's takes its own ``name``.
+    """
     p = Path(path)
-    lock = p / LOCK_FILE
+    lock = p / name
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
@@ -103,9 +106,9 @@ def lock_run_dir(path: str | os.PathLike[str]) -> RunDirLock:
     return RunDirLock(p, fd)
 
 
-def take_run_dir(path: str | os.PathLike[str], *, mode: int = PRIVATE_MODE) -> RunDirLock:
+def take_run_dir(path: str | os.PathLike[str], *, mode: int = PRIVATE_MODE, name: str = LOCK_FILE) -> RunDirLock:
     """``prepare_run_dir`` then ``lock_run_dir``: what a job does before anything else in its run directory."""
-    return lock_run_dir(prepare_run_dir(path, mode=mode))
+    return lock_run_dir(prepare_run_dir(path, mode=mode), name=name)
 
 
 def _read_pid(fd: int) -> int | None:

@@ -1,0 +1,164 @@
+"""The agents of a many-node job: who serves which node, which node is lost, which spare takes it.
+
+One agent runs per node (``--nnodes N --node-rank R``); node 0's hosts the
+store. Every agent keeps a beat in the store (``node/R/beat``, a counter it
+bumps about once a second) under the incarnation it registered with. Each
+agent watches the others' beats with its own clock (no clock agreement is
+needed): a node whose beat has not moved for ``node_timeout_s`` is lost. The
+first agent to claim the loss of that incarnation (``compare_set``) declares
+the generation failed (its ranks' peers are already recovering) and hands the
+node to a waiting spare agent (``--spare``), which becomes node R and starts R's
+ranks as replacements; they heal from live replicas like any replacement.
+With no spare, the lost node's own agent may come back (a scheduler restarting
+it): it registers a new incarnation and starts its ranks as replacements.
+Otherwise the survivors' join times out and the job stops with the reason.
+
+Node 0's loss takes the store with it: every other agent sees its store calls
+fail, says so, and exits 1 (start the job again: it resumes from its newest
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.distributed as dist
+
+__all__ = ["Heartbeat", "NodeKeys", "NodeWatch", "assign_spare", "claim_loss", "register_node", "register_spare", "wait_for_assignment"]
+
+
+class NodeKeys:
+    @staticmethod
+    def incarnation(node: int) -> str:
+        return f"rt/node/{node}/incarnation"
+
+    @staticmethod
+    def beat(node: int, incarnation: int) -> str:
+        return f"rt/node/{node}/{incarnation}/beat"
+
+    @staticmethod
+    def lost(node: int, incarnation: int) -> str:
+        return f"rt/node/{node}/{incarnation}/lost"
+
+    @staticmethod
+    def done(node: int) -> str:
+        return f"rt/node/{node}/done"  # the node's agent is leaving (its ranks finished or stopped)
+
+    SPARES = "rt/spares"  # how many spare agents registered
+
+    @staticmethod
+    def spare(i: int) -> str:
+        return f"rt/spare/{i}/node"  # "" while waiting; the node rank it takes over
+
+
+def register_node(store: dist.Store, node: int) -> int:
+    """This agent serves ``node``: its incarnation (1 for the first agent of the node, 2 for the next, ...)."""
+    incarnation = int(store.add(NodeKeys.incarnation(node), 1))
+    store.add(NodeKeys.beat(node, incarnation), 1)
+    return incarnation
+
+
+def register_spare(store: dist.Store) -> int:
+    i = int(store.add(NodeKeys.SPARES, 1)) - 1
+    store.set(NodeKeys.spare(i), "")
+    return i
+
+
+def wait_for_assignment(store: dist.Store, spare: int, *, done: Callable[[], bool], interval_s: float = 0.2) -> int | None:
+    """Blocks until a node is handed to spare ``spare``; None once ``done()`` (the job ended without needing it)."""
+    key = NodeKeys.spare(spare)
+    while True:
+        value = store.get(key).decode()
+        if value:
+            return int(value)
+        if done():
+            return None
+        time.sleep(interval_s)
+
+
+def claim_loss(store: dist.Store, node: int, incarnation: int, by: int) -> bool:
+    """True for exactly one agent: the one that will handle the loss of this incarnation of ``node``."""
+    key = NodeKeys.lost(node, incarnation)
+    return store.compare_set(key, "", str(by)).decode() == str(by)
+
+
+def assign_spare(store: dist.Store, node: int) -> int | None:
+    """Hands ``node`` to the first spare still waiting; its index, or None when there is none."""
+    n = int(store.add(NodeKeys.SPARES, 0))
+    for i in range(n):
+        if store.compare_set(NodeKeys.spare(i), "", str(node)).decode() == str(node):
+            return i
+    return None
+
+
+@dataclass
+class _Seen:
+    incarnation: int
+    beat: int
+    changed_at: float  # this agent's monotonic clock
+
+
+@dataclass
+class NodeWatch:
+    """One agent's view of the other nodes' beats."""
+
+    store: dist.Store
+    me: int
+    nnodes: int
+    node_timeout_s: float
+    interval_s: float = 1.0
+    _last_beat: float = 0.0
+    _seen: dict[int, _Seen] = field(default_factory=dict)
+
+    def poll(self, now: float | None = None) -> list[tuple[int, int]]:
+        """The lost ``(node, incarnation)`` pairs (looked at about once a second)."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_beat < self.interval_s:
+            return []
+        self._last_beat = now
+        lost = []
+        for node in range(self.nnodes):
+            if node == self.me:
+                continue
+            incarnation = int(self.store.add(NodeKeys.incarnation(node), 0))
+            if incarnation == 0:
+                continue  # not started yet: its agent may still come up
+            beat = int(self.store.add(NodeKeys.beat(node, incarnation), 0))
+            seen = self._seen.get(node)
+            if seen is None or seen.incarnation != incarnation or seen.beat != beat:
+                self._seen[node] = _Seen(incarnation, beat, now)
+            elif now - seen.changed_at > self.node_timeout_s:
+                lost.append((node, incarnation))
+        return lost
+
+
+class Heartbeat:
+    """This node's beat, on its own thread and its own store connection.
+
+    Off the agent's loop: an agent waiting for its ranks to write a preemption
+    checkpoint, or busy starting them, is still alive. Only the agent's death
+    (or its host's) stops the beat.
+    """
+
+    def __init__(self, connect: Callable[[], dist.Store], node: int, incarnation: int, *,
+                 interval_s: float = 0.5) -> None:
+        self._store = connect()
+        self._key = NodeKeys.beat(node, incarnation)
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"rt-node{node}-beat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._store.add(self._key, 1)
+            except (RuntimeError, OSError):  # the store is gone: the agent's own calls say so
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)

@@ -1,0 +1,165 @@
+"""Many nodes on one machine: one agent per node on 127.0.0.1, a spare node, node loss, preemption (issue 13)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import GPT, REPO, SMALL_GPT, Job, ckpt_diff
+
+STEPS = 24
+NPROC = 2  # per node
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """Agents of one job, each in its own session (a test can take a node down with everything on it)."""
+
+    def __init__(self, run_dir: Path, *, nnodes: int, steps: int = STEPS, chaos: list[dict] | None = None,
+                 node_timeout: float = 2.0) -> None:
+        self.run_dir, self.nnodes, self.steps = run_dir, nnodes, steps
+        self.port = _free_port()
+        self.chaos = chaos
+        self.node_timeout = node_timeout
+        self.agents: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *, node_rank: int = 0, spare: bool = False) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "resilient_train.cli", "run", "--nnodes", str(self.nnodes),
+               "--nproc-per-node", str(NPROC), "--master-addr", "127.0.0.1", "--master-port", str(self.port),
+               "--rdzv-id", "test-job", "--run-dir", str(self.run_dir), "--node-timeout", str(self.node_timeout)]
+        cmd += ["--spare"] if spare else ["--node-rank", str(node_rank)]
+        if self.chaos:
+            cmd += ["--chaos", json.dumps(self.chaos)]
+        cmd += [str(GPT), "--steps", str(self.steps), *SMALL_GPT]
+        p = subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
+        self.agents[name] = p
+        return p
+
+    def wait(self, name: str, timeout: float = 150) -> Job:
+        p = self.agents[name]
+        out, err = p.communicate(timeout=timeout)
+        return Job(p.returncode, out, err, self.run_dir)
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    def wait_event(self, predicate, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.events():
+                if predicate(e):
+                    return e
+            for name, p in self.agents.items():
+                assert p.poll() is None, f"agent {name} exited early ({p.returncode}): {p.communicate()[1][-3000:]}"
+            time.sleep(0.05)
+        raise AssertionError("timed out waiting for an event")
+
+    def close(self) -> None:
+        for p in self.agents.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    made: list[Cluster] = []
+
+    def make(**kw) -> Cluster:
+        c = Cluster(tmp_path / "run", **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_a_killed_rank_is_replaced_by_its_node_and_the_run_is_bitwise(cluster_factory, references):
+    c = cluster_factory(nnodes=2, chaos=[{"kind": "kill", "rank": 3, "step": 8, "phase": "backward"}])
+    c.start("node0", node_rank=0)
+    c.start("node1", node_rank=1)
+    jobs = {name: c.wait(name) for name in ("node0", "node1")}
+    for name, job in jobs.items():
+        assert job.returncode == 0, f"{name}: {job.stderr[-3000:]}"
+    spawned = [e for e in c.events() if e["event"] == "worker_spawned" and e.get("replacement")]
+    assert [(e["source"], e["rank"]) for e in spawned] == [("agent1", 3)]
+    assert {e["rank"] for e in c.events() if e["event"] == "run_start"} == {0, 1, 2, 3}
+    d = ckpt_diff(references.get(4, STEPS), c.run_dir / "final")
+    assert d.returncode == 0, d.stdout + d.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_is_taken_over_by_the_spare_and_the_run_is_bitwise(cluster_factory, references):
+    c = cluster_factory(nnodes=2, steps=40)
+    c.start("node0", node_rank=0)
+    c.start("node1", node_rank=1)
+    c.start("spare", spare=True)
+    c.wait_event(lambda e: e["event"] == "step_done" and e["step"] >= 6)
+    os.killpg(c.agents["node1"].pid, signal.SIGKILL)  # the host dies: the agent and its ranks (PDEATHSIG)
+    c.agents["node1"].wait()
+    for name in ("node0", "spare"):
+        job = c.wait(name, timeout=200)
+        assert job.returncode == 0, f"{name}: {job.stderr[-3000:]}"
+    lost = [e for e in c.events() if e["event"] == "node_lost"]
+    assert [(e["node"], e["spare"]) for e in lost] == [(1, 0)]
+    took = [e for e in c.events() if e["event"] == "node_started" and e["source"] == "agent-spare"]
+    assert [(e["node"], e["returning"]) for e in took] == [(1, True)]
+    healed = [e for e in c.events() if e["event"] == "recovery_done" and e.get("healed")]
+    assert healed and all(sorted(e["healed"]) == [2, 3] for e in healed), healed
+    d = ckpt_diff(references.get(4, 40), c.run_dir / "final")
+    assert d.returncode == 0, d.stdout + d.stderr
+
+
+@pytest.mark.timeout(200)
+def test_losing_node_0_takes_the_store_and_the_others_stop_saying_so(cluster_factory):
+    c = cluster_factory(nnodes=2, steps=400)
+    c.start("node0", node_rank=0)
+    c.start("node1", node_rank=1)
+    c.wait_event(lambda e: e["event"] == "step_done" and e["step"] >= 4)
+    os.killpg(c.agents["node0"].pid, signal.SIGKILL)
+    c.agents["node0"].wait()
+    job = c.wait("node1", timeout=120)
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert "lost the store on 127.0.0.1" in job.stderr and "node 0's agent is gone" in job.stderr
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_to_one_agent_preempts_every_node_and_the_rerun_is_bitwise(cluster_factory, references):
+    c = cluster_factory(nnodes=2, steps=40)
+    c.start("node0", node_rank=0)
+    c.start("node1", node_rank=1)
+    c.wait_event(lambda e: e["event"] == "step_done" and e["step"] >= 8)
+    c.agents["node1"].send_signal(signal.SIGTERM)
+    codes = {name: c.wait(name, timeout=120).returncode for name in ("node0", "node1")}
+    assert codes == {"node0": 75, "node1": 75}
+    stops = [e for e in c.events() if e["event"] == "preempted"]
+    assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3] and len({e["step"] for e in stops}) == 1
+    step = stops[0]["step"]
+    # The same commands again: every node resumes from the preemption checkpoint.
+    c2 = cluster_factory(nnodes=2, steps=40)
+    c2.start("node0", node_rank=0)
+    c2.start("node1", node_rank=1)
+    for name in ("node0", "node1"):
+        job = c2.wait(name)
+        assert job.returncode == 0, f"{name}: {job.stderr[-3000:]}"
+    resumed = {e["step"] for e in c2.events() if e["event"] == "resumed_from_disk" and e["time"] > stops[0]["time"]}
+    assert resumed == {step}
+    d = ckpt_diff(references.get(4, 40), c.run_dir / "final")
+    assert d.returncode == 0, d.stdout + d.stderr
