@@ -163,3 +163,29 @@ def test_sigterm_to_one_agent_preempts_every_node_and_the_rerun_is_bitwise(clust
     assert resumed == {step}
     d = ckpt_diff(references.get(4, 40), c.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
+
+
+@pytest.mark.timeout(30)
+def test_slurm_environment_fills_the_node_flags():
+    from resilient_train.launch import first_host, slurm_defaults
+
+    env = {"SLURM_JOB_ID": "4711", "SLURM_NODEID": "2", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "gpu[07-10],cpu1"}
+    assert slurm_defaults(env) == {"node_rank": 2, "run_id": "slurm-4711", "nnodes": 4, "master_addr": "gpu07",
+                                   "master_port": 29500 + 711}
+    assert slurm_defaults({"SLURM_JOB_ID": "1"}) == {}  # not inside a step: no node of its own
+    assert [first_host(x) for x in ("n1,n2", "a[3,5-6]", "solo")] == ["n1", "a3", "solo"]
+
+
+@pytest.mark.timeout(120)
+def test_under_srun_a_one_node_job_needs_no_flags(tmp_path):
+    # srun's environment for a one-node job on this machine: the agent takes its port and node from it.
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).resolve().parent / "dropin" / "allreduce_loop.py"
+    env = {**os.environ, "SLURM_JOB_ID": "4242", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "127.0.0.1"}
+    p = subprocess.run([sys.executable, "-m", "resilient_train.cli", "run", "--nproc-per-node", "2",
+                        "--run-dir", str(tmp_path / "run"), str(script), str(out), "1"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert {(out / f"rank{r}.attempt0").read_text().split()[2] for r in range(2)} == {str(29500 + 242)}

@@ -1,0 +1,132 @@
+"""A lost node: a spare node taking over against a restart of every node from the newest checkpoint.
+
+Both on one machine, 2 nodes x ``--nproc`` ranks of the example GPT, node 1's
+agent and its ranks SIGKILLed (its host dies) once step ``--kill-step`` is done:
+
+* spare: a third agent started with ``--spare`` takes node 1 over; its ranks
+  heal from live replicas (``--node-timeout`` is the detection time);
+* restart: what a torchrun job does: every node's agent is stopped and started
+  again at once (an instant scheduler), and the job resumes from the newest
+  checkpoint, saved every ``--ckpt-every`` steps.
+
+Reported per run: seconds from the kill to the next completed step, and steps
+redone; runs alternate.
+
+    python bench/node_loss.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = ["--d-model", "64", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4", "--log-every", "0"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _events(run: Path) -> list[dict]:
+    path = run / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _agent(run: Path, port: int, args: argparse.Namespace, *, node: int | None, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "resilient_train.cli", "run", "--nnodes", "2", "--nproc-per-node", str(args.nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", "bench", "--run-dir", str(run),
+           "--node-timeout", str(args.node_timeout)]
+    cmd += ["--spare"] if node is None else ["--node-rank", str(node)]
+    cmd += [str(REPO / "examples" / "train_gpt.py"), "--steps", str(args.steps), *MODEL, *extra]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait_step(run: Path, step: int, timeout: float, after: float = 0.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in _events(run):
+            if e["event"] == "step_done" and e["step"] > step and e["time"] > after:
+                return e
+        time.sleep(0.02)
+    raise RuntimeError(f"no step after {step} within {timeout} s")
+
+
+def _kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float, int]:
+    run, port = work / f"{mode}-{n}", _port()
+    extra = ["--ckpt-every", str(args.ckpt_every)] if mode == "restart" else []
+    agents = [_agent(run, port, args, node=0, extra=extra), _agent(run, port, args, node=1, extra=extra)]
+    if mode == "spare":
+        agents.append(_agent(run, port, args, node=None, extra=extra))
+    try:
+        _wait_step(run, args.kill_step - 1, timeout=args.timeout)
+        killed = time.time()
+        _kill(agents[1])  # node 1's host dies
+        if mode == "restart":
+            _kill(agents[0])
+            port = _port()
+            agents = [_agent(run, port, args, node=0, extra=extra), _agent(run, port, args, node=1, extra=extra)]
+        last_done = max(e["step"] for e in _events(run) if e["event"] == "step_done" and e["time"] <= killed)
+        nxt = _wait_step(run, 0, timeout=args.timeout, after=killed)
+        if mode == "restart":
+            resumed = [e["step"] for e in _events(run) if e["event"] == "resumed_from_disk" and e["time"] > killed]
+            redone = last_done - (resumed[0] if resumed else 0)
+        else:
+            recs = [e for e in _events(run) if e["event"] == "recovery_done" and e["time"] > killed]
+            redone = max((e.get("steps_redone", 0) for e in recs), default=0)
+        for p in agents:
+            p.wait(timeout=args.timeout)
+        return nxt["time"] - killed, redone
+    finally:
+        for p in agents:
+            _kill(p)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=1, help="ranks per node")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--kill-step", type=int, default=25)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--node-timeout", type=float, default=2.0)
+    p.add_argument("--timeout", type=float, default=240.0)
+    args = p.parse_args()
+    results: dict[str, list[tuple[float, int]]] = {"spare": [], "restart": []}
+    with tempfile.TemporaryDirectory(prefix="rt-nodeloss-") as tmp:
+        for n in range(args.repeats):
+            for mode in ("spare", "restart"):
+                r = one(mode, Path(tmp), n, args)
+                results[mode].append(r)
+                print(f"  {mode:8} run {n}: {r[0]:.2f} s, {r[1]} steps redone", file=sys.stderr, flush=True)
+    print("| after a node loss | kill → next step, s (median; runs) | steps redone |")
+    print("|---|---|---|")
+    med = {}
+    for mode, label in (("spare", f"spare node, heal from live replicas (node timeout {args.node_timeout:g} s)"),
+                        ("restart", f"restart every node from the newest checkpoint (every {args.ckpt_every})")):
+        ts = [t for t, _ in results[mode]]
+        med[mode] = statistics.median(ts)
+        print(f"| {label} | {med[mode]:.2f} ({', '.join(f'{t:.2f}' for t in ts)}) | "
+              f"{max(r for _, r in results[mode])} |")
+    print(f"| ratio | {med['spare'] / med['restart']:.2f}× | |")
+
+
+if __name__ == "__main__":
+    main()
