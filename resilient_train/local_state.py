@@ -38,6 +38,10 @@ class LocalSlots:
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
+        # The step each slot holds, for the slots this process wrote or read: only a rank's own process writes
+        # its slots, so what it knows of them stays true, and a survivor joining a generation asks the store
+        # nothing (a replacement reads its predecessor's slots once).
+        self._known: dict[tuple[int, int | str], int | None] = {}
 
     @staticmethod
     def key(rank: int, slot: int | str) -> str:
@@ -46,14 +50,18 @@ class LocalSlots:
     def publish(self, rank: int, step: int, payload: bytes, *, snapshot: bool = False) -> None:
         slot = self.SNAPSHOT if snapshot else step % 2
         self._store.set(self.key(rank, slot), f"{step}\n".encode() + payload)
+        self._known[(rank, slot)] = step
 
     def steps(self, rank: int) -> list[int]:
         """The steps whose local state ``rank`` has published (ring slots and snapshot)."""
         found = set()
         for slot in (0, 1, self.SNAPSHOT):
-            head = self._head(rank, slot)
-            if head is not None:
-                found.add(head[0])
+            if (rank, slot) not in self._known:
+                head = self._head(rank, slot)
+                self._known[(rank, slot)] = head[0] if head is not None else None
+            step = self._known[(rank, slot)]
+            if step is not None:
+                found.add(step)
         return sorted(found)
 
     def read(self, rank: int, step: int) -> bytes | None:

@@ -7,21 +7,14 @@ thousands of simulated ranks that the supervisor drives with real ones.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch.distributed as dist
 
 from resilient_train.generation import Membership, ResumePlan, RunFinished, join_generation
-from resilient_train.store import Keys, declare_fault, read_fault
+from resilient_train.store import Keys, current_generation, interrupt_generation, report_fault
 
-__all__ = ["enter_generation", "report_fault"]
-
-
-def report_fault(store: dist.Store, generation: int, cause: dict[str, Any], *,
-                 world_size: int) -> tuple[bool, dict[str, Any] | None]:
-    """Declares ``generation`` failed (idempotent); whether this report was the first, and the cause that stands."""
-    first = declare_fault(store, generation, cause)
-    return first, read_fault(store, generation)
+__all__ = ["enter_generation", "interrupt_for_stop", "report_fault"]
 
 
 def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Membership], timeout: float,
@@ -31,3 +24,8 @@ def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Mem
         raise RunFinished()
     return join_generation(store, world_size=world_size, me=me, timeout=timeout,
                            finished=lambda: store.check([Keys.FINAL]), stopped=stopped)
+
+
+def interrupt_for_stop(store: dist.Store, *, world_size: int) -> None:
+    """The job was stopped (``request_stop``): every watcher and join of the current generation looks now."""
+    interrupt_generation(store, current_generation(store), world_size=world_size)

@@ -46,7 +46,7 @@ from resilient_train.local_state import LocalSlots, encode_local
 from resilient_train.preempt import Preemption
 from resilient_train.parts import ChaosPart, CuptiPart, DiskPart, Part, Parts, ProgressPart, SnapshotPart
 from resilient_train.reducer import GradientReducer
-from resilient_train.rendezvous import enter_generation, report_fault
+from resilient_train.rendezvous import enter_generation, interrupt_for_stop, report_fault
 from resilient_train.rerun.driver import RerunHooks
 from resilient_train.rerun.part import RerunPart
 from resilient_train.rerun.save import save_for_stop, shared_table
@@ -313,7 +313,7 @@ class Supervisor:
             healed, received = receive_state(plan.heal_from[rank], device=self._comm_device)
             state.load_replicated(healed)
         state.load_local(self.slots.read_decoded(rank, step))
-        if self.rerun is not None and plan.members[rank].replacement:
+        if self.rerun is not None and self.env.replacement:
             self.rerun.adopt_newest_record(self.store)
         assert state.step == step, (state.step, step)
         self.stepper.restored(step)
@@ -392,6 +392,7 @@ class Supervisor:
         """Stops the whole job; the original traceback (if any) and the reason are said once."""
         stood = request_stop(self.store, {"rank": self.env.rank, "summary": stop.reason, "exit_code": stop.exit_code,
                                           "step": self.ctx.step, "generation": self.generation})
+        interrupt_for_stop(self.store, world_size=self.env.world_size)
         if stood.get("rank") == self.env.rank and stood.get("summary") == stop.reason:
             sys.stderr.write(stop.traceback)
             if not self.env.under_agent:  # the agent says it once for the job
