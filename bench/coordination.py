@@ -29,6 +29,7 @@ import resource
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -192,8 +193,9 @@ def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: lis
     threading.stack_size(256 * 1024)
     sims = {r: SimRank(r, cfg, port) for r in ranks}
     spare_sims = {r: SimRank(r, cfg, port, replacement=True) for r in spares}
-    for s in [*sims.values(), *spare_sims.values()]:
-        s.connect()
+    # Connected in parallel: under a burst of connections some take seconds (the server accepts on one thread).
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(SimRank.connect, [*sims.values(), *spare_sims.values()]))
     conn.send("connected")
     payload = _local_payload(0)
     errors: list[str] = []
@@ -349,15 +351,22 @@ def _agreed(results: dict[int, dict[str, Any]], n: int) -> str:
     return digests.pop()
 
 
+def _log(what: str) -> None:
+    print(f"#   {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
+
 def run_size(cfg: BenchConfig) -> dict[str, Any]:
     """One world size through start, steady steps and two generation changes; the figures and the plans agreed."""
     n = cfg.world_size
+    _log(f"N={n}: connecting")
     b = _Bench(cfg)
+    _log(f"N={n}: connected")
     out: dict[str, Any] = {"world_size": n, "procs": cfg.procs}
     try:
         m0 = b.meter()
         b.send("join", "start")
         m1 = b.meter()
+        _log(f"N={n}: joined generation 0")
         out["start"] = {**_delta(m0, m1, n), "plan": json.loads(_agreed(b.results("start"), n))}
         start = time.monotonic() + 0.2
         b.send("steps", (start, 1, cfg.steady_steps))
@@ -365,6 +374,7 @@ def run_size(cfg: BenchConfig) -> dict[str, Any]:
         steady = _delta(m1, m2, n)
         out["steady"] = {k: v / cfg.steady_steps for k, v in steady.items()} | {"step_s": cfg.step_s}
         step = cfg.steady_steps
+        _log(f"N={n}: steady steps done")
         for phase, lost in (("one_lost", b.lost_a), ("pct_lost", b.lost_b)):
             b.send("die", lost)
             ma = b.meter()
@@ -384,8 +394,10 @@ def run_size(cfg: BenchConfig) -> dict[str, Any]:
             }
             b.send("steps", (time.monotonic() + 0.1, step + 1, 1))
             step += 1
+            _log(f"N={n}: {phase} done")
     finally:
         b.close()
+        _log(f"N={n}: closed")
     return out
 
 
