@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from resilient_train import rendezvous
 from resilient_train.generation import Membership, ResumePlan
 from resilient_train.local_state import LocalSlots, encode_local
 from resilient_train.store import attempt_store, job_store
+from resilient_train.train_state import capture_rng
 from resilient_train.watch import GenerationWatcher
 
 __all__ = ["BenchConfig", "CountingStore", "run_size", "main"]
@@ -178,35 +178,36 @@ def _digest(plan: ResumePlan) -> str:
 
 
 def _local_payload(step: int) -> bytes:
-    """A rank-local state of the size a real one has (the RNG states a TrainState captures)."""
-    import random
-
-    import numpy as np
-
-    return encode_local({"step": step, "rng": {"cpu": torch.get_rng_state(), "python": random.getstate(),
-                                               "numpy": np.random.get_state()}})
+    """A rank-local state as a TrainState's (its RNG states, captured by the same function), encoded as published."""
+    __import__("numpy")  # a script that imports NumPy has its RNG state captured too
+    return encode_local({"step": step, "rng": capture_rng()})
 
 
 # ------------------------------------------------------------------ client process
+def _guard(fn: Any, s: SimRank, errors: list[str]) -> None:
+    try:
+        fn(s)
+    except BaseException as e:  # noqa: BLE001  (reported to the bench, which fails the run)
+        errors.append(f"rank {s.rank}: {type(e).__name__}: {e}")
+
+
 def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: list[int], conn: Any) -> None:
     """A client process: one thread per simulated rank, driven by commands from the bench over ``conn``."""
     threading.stack_size(256 * 1024)
     sims = {r: SimRank(r, cfg, port) for r in ranks}
     spare_sims = {r: SimRank(r, cfg, port, replacement=True) for r in spares}
-    # Connected in parallel: under a burst of connections some take seconds (the server accepts on one thread).
+    # Connected in parallel: on this sandbox some connects stall for 5 s (name lookups); they overlap.
     with ThreadPoolExecutor(64) as pool:
         list(pool.map(SimRank.connect, [*sims.values(), *spare_sims.values()]))
     conn.send("connected")
     payload = _local_payload(0)
     errors: list[str] = []
+    armed: list[threading.Thread] = []
+    joining: list[SimRank] = []
+    spawned = threading.Event()
 
     def run_all(fn: Any, targets: list[SimRank]) -> None:
-        def body(s: SimRank) -> None:
-            try:
-                fn(s)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(f"rank {s.rank}: {type(e).__name__}: {e}")
-        threads = [threading.Thread(target=body, args=(s,), name=f"sim{s.rank}") for s in targets]
+        threads = [threading.Thread(target=_guard, args=(fn, s, errors), name=f"sim{s.rank}") for s in targets]
         for t in threads:
             t.start()
         for t in threads:
@@ -230,17 +231,31 @@ def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: lis
             for r in arg:
                 if r in sims:
                     sims.pop(r).watcher.close()
-        elif cmd == "change":  # the survivors notice, report, rejoin; the spares for ``arg`` join as replacements
+        elif cmd == "arm":  # each survivor's main thread waits for its watcher; each replacement for its spawn
             phase, lost = arg
             joining = [spare_sims.pop(r) for r in lost if r in spare_sims]
+            spawned = threading.Event()
 
             def survive(s: SimRank) -> None:
                 if not s.watcher.moved.wait(cfg.timeout_s):
                     raise TimeoutError("the fault was never seen")
                 s.recover()
                 s.join(phase)
-            new = {id(s) for s in joining}
-            run_all(lambda s: s.join(phase) if id(s) in new else survive(s), [*sims.values(), *joining])
+
+            def replace(s: SimRank) -> None:
+                if not spawned.wait(cfg.timeout_s):
+                    raise TimeoutError("never spawned")
+                s.join(phase)
+            armed = [threading.Thread(target=_guard, args=(survive, s, errors), name=f"sim{s.rank}")
+                     for s in sims.values()]
+            armed += [threading.Thread(target=_guard, args=(replace, s, errors), name=f"sim{s.rank}") for s in joining]
+            for t in armed:
+                t.start()
+        elif cmd == "spawn":
+            spawned.set()
+        elif cmd == "settle":
+            for t in armed:
+                t.join(cfg.timeout_s)
             for s in joining:
                 s.replacement = False
                 sims[s.rank] = s
@@ -377,11 +392,13 @@ def run_size(cfg: BenchConfig) -> dict[str, Any]:
         _log(f"N={n}: steady steps done")
         for phase, lost in (("one_lost", b.lost_a), ("pct_lost", b.lost_b)):
             b.send("die", lost)
+            b.send("arm", (phase, lost))
             ma = b.meter()
-            t0 = time.monotonic()
+            t0 = time.monotonic()  # the agent: a worker died; it fails the generation, then spawns replacements
             rendezvous.report_fault(b.agent, int(b.agent.get("rt/generation")),
                                     {"rank": lost[0], "kind": "worker_exit", "time": time.time()}, world_size=n)
-            b.send("change", (phase, lost))
+            b.send("spawn")
+            b.send("settle")
             mb = b.meter()
             res = b.results(phase)
             plan = json.loads(_agreed(res, n))
