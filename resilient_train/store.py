@@ -137,21 +137,24 @@ def declare_fault(store: dist.Store, generation: int, cause: dict[str, Any], *, 
     return report_fault(store, generation, cause, world_size=world_size)[0]
 
 
-def report_fault(store: dist.Store, generation: int, cause: dict[str, Any], *,
-                 world_size: int) -> tuple[bool, dict[str, Any]]:
+def report_fault(store: dist.Store, generation: int, cause: dict[str, Any], *, world_size: int,
+                 woken: bool = False) -> tuple[bool, dict[str, Any]]:
     """:func:`declare_fault`, and the cause that stands (the first report's), read in the same request.
 
     The first reporter moves the generation, settles its join as FAILED and
     wakes every rank's watcher (one ``multi_set`` of ``world_size`` keys). A
     later reporter moves the generation too (idempotent) and wakes the
     watchers only if the first did not get that far (it died in between).
+    ``woken``: the caller's watcher was woken by this fault, so all of that
+    is done (wakes are set last): one request records or reads the cause.
     """
     payload = json.dumps(cause, default=str)
     standing = store.compare_set(Keys.fault(generation), "", payload).decode()
     first = standing == payload
-    store.compare_set(Keys.GENERATION, str(generation), str(generation + 1))
-    if first or not store.check([Keys.wake(generation, world_size - 1)]):
-        interrupt_generation(store, generation, world_size=world_size)
+    if first or not woken:
+        store.compare_set(Keys.GENERATION, str(generation), str(generation + 1))
+        if first or not store.check([Keys.wake(generation, world_size - 1)]):
+            interrupt_generation(store, generation, world_size=world_size)
     return first, json.loads(standing)
 
 

@@ -418,7 +418,8 @@ class Supervisor:
         if g >= 0:
             first, cause = report_fault(self.store, g, {"rank": self.env.rank, "kind": kind, "time": t_detect,
                                                         "step": self.ctx.step, "phase": self.ctx.phase.value,
-                                                        **failure.to_dict()}, world_size=self.env.world_size)
+                                                        **failure.to_dict()}, world_size=self.env.world_size,
+                                        woken=self._watcher.moved.is_set())
         self.events.emit("fault_detected", rank=self.env.rank, generation=g, step=self.ctx.step,
                          phase=self.ctx.phase.value, kind=kind, error=message[:300],
                          failure=failure.kind.value, first_reporter=first, cause=cause)

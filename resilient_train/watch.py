@@ -21,11 +21,13 @@ from resilient_train.store import Keys
 __all__ = ["GenerationWatcher"]
 
 _LONG = timedelta(days=365)  # the wait ends when the key is set, the store goes, or close() sets it
+_IDLE_S = 1.0  # a watcher with nothing to watch looks again this often (thousands of ranks in one process: the bench)
 
 
 class GenerationWatcher:
     """Waits on the store; once the generation it watches is interrupted (failed, or the job
-    stopped), sets :attr:`moved` (and :attr:`stopped` for a stop) and calls ``on_moved`` (the NCCL abort).
+    stopped), sets :attr:`moved` and calls ``on_moved`` (the NCCL abort). Which of the two it was
+    is the main thread's to read (``read_stop``), when it judges the failure.
 
     The main thread checks :attr:`moved` at every phase boundary and at the
     commit. ``moved`` is set *before* ``on_moved`` runs, so a main thread
@@ -38,7 +40,6 @@ class GenerationWatcher:
     ) -> None:
         self.generation = -1
         self.moved = threading.Event()
-        self.stopped = threading.Event()
         self._rank = rank
         self._main = store  # close() wakes the thread through it
         self._store = store.clone()  # its own connection: its wait blocks it
@@ -73,7 +74,9 @@ class GenerationWatcher:
         while not self._stop.is_set():
             g = self.generation
             if g < 0 or self.moved.is_set():
-                self._armed.wait(self._interval_s)
+                # Until watch() or close(): it sets the generation before the event, which is cleared before
+                # the generation is read again, so no call is missed.
+                self._armed.wait(_IDLE_S)
                 self._armed.clear()
                 continue
             with self._lock:
@@ -82,7 +85,6 @@ class GenerationWatcher:
                 self._waiting = g
             try:
                 self._store.wait([Keys.wake(g, self._rank)], _LONG)
-                stopped = self._store.check([Keys.STOP])
             except Exception:  # noqa: BLE001  (the store is briefly unreachable: look again)
                 self._stop.wait(self._interval_s)
                 continue
@@ -93,7 +95,5 @@ class GenerationWatcher:
                 return
             if g != self.generation:
                 continue  # the main thread joined a newer generation meanwhile: watch that one
-            if stopped:
-                self.stopped.set()
             self.moved.set()
             self._on_moved()
