@@ -110,14 +110,21 @@ class Tally:
     joined_at: float = 0.0
 
 
+RANKS_PER_PROC = 128  # a thousand threads in one process make its GIL the bottleneck (seen at 4,096 ranks)
+
+
 @dataclass(kw_only=True)
 class BenchConfig:
     world_size: int
-    procs: int = 4
+    procs: int = 0  # client processes; 0: one per RANKS_PER_PROC simulated ranks, at least 4
     steady_steps: int = 5
     step_s: float = 1.0
     watch_interval_s: float = 0.05  # SupervisorConfig's default
     timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.procs <= 0:
+            self.procs = max(4, math.ceil(self.world_size / RANKS_PER_PROC))
 
 
 @dataclass(eq=False)
@@ -194,6 +201,10 @@ def _guard(fn: Any, s: SimRank, errors: list[str]) -> None:
 def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: list[int], conn: Any) -> None:
     """A client process: one thread per simulated rank, driven by commands from the bench over ``conn``."""
     threading.stack_size(256 * 1024)
+    # Hundreds of threads queue for the GIL after each store reply; each waiter wakes every switch interval to
+    # ask for it (Python 3.11), which at 5 ms and a thousand threads is most of the CPU. The threads here
+    # block in the store, not compute: a long interval costs them nothing.
+    sys.setswitchinterval(0.05)
     sims = {r: SimRank(r, cfg, port) for r in ranks}
     spare_sims = {r: SimRank(r, cfg, port, replacement=True) for r in spares}
     # Connected in parallel: on this sandbox some connects stall for 5 s (name lookups); they overlap.
@@ -440,7 +451,8 @@ HEADER = ("| N | one lost: seen / joined / plan (s) | 1% lost: k: seen / joined 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="64,256,1024,4096")
-    p.add_argument("--procs", type=int, default=4, help="client processes the simulated ranks are spread over")
+    p.add_argument("--procs", type=int, default=0,
+                   help=f"client processes the simulated ranks are spread over (0: one per {RANKS_PER_PROC}, at least 4)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--step-s", type=float, default=1.0)
     p.add_argument("--json", default="", help="also write every figure to this file")

@@ -143,8 +143,8 @@ def join_generation(
     change while it waits, but it is read fresh). Raises :class:`RunFinished`
     when ``finished()`` turns true while waiting (the run ended without this
     rank); ``stopped()`` raises when the job was stopped. Both are looked at
-    whenever the wait ends: whoever finishes or stops the run settles the
-    generation being joined (``interrupt_generation``).
+    when the generation settles as FAILED: whoever finishes or stops the run
+    settles the generation being joined so (``interrupt_generation``).
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -162,12 +162,14 @@ def join_generation(
                 raise RunFinished() from None
             raise JoinError(f"timed out after {timeout:.1f} s waiting for all {world_size} ranks to join "
                             f"generation {g}") from None
+        settled = store.get(Keys.settled(g))
+        if settled.decode() != Keys.FAILED:
+            # Every rank joined: the run cannot have finished without them, and a stop from now on
+            # interrupts this generation, which its watcher sees.
+            return ResumePlan.from_json(settled)
         stopped()
         if finished():
             raise RunFinished()
-        settled = store.get(Keys.settled(g))
-        if settled.decode() != Keys.FAILED:
-            return ResumePlan.from_json(settled)
         try:  # the fault moves the generation before it settles this one; a stop does not move it (stopped() raised)
             wait_until(lambda: current_generation(store) > g, timeout=max(deadline - time.monotonic(), 0.001),
                        what=f"generation {g} to be left")
