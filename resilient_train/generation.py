@@ -30,7 +30,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from resilient_train.errors import GenerationFailed
-from resilient_train.store import Keys, StoreTimeout, current_generation, wait_until
+from resilient_train.store import Keys, StoreTimeout, current_generation, settle, wait_until
 
 __all__ = [
     "GenerationFailed", "JoinError", "Membership", "ResumePlan", "ResumeSource", "RunFinished",
@@ -155,7 +155,7 @@ def join_generation(
             _settle(store, g, world_size)  # this rank completed the world: it plans for everyone
         left = deadline - time.monotonic()
         try:
-            store.wait([Keys.settled(g)], timedelta(seconds=max(left, 0.001)))
+            store.wait([Keys.settled_bell(g)], timedelta(seconds=max(left, 0.001)))
         except dist.DistStoreError:
             stopped()
             if finished():
@@ -181,4 +181,4 @@ def _settle(store: dist.Store, g: int, world_size: int) -> None:
     """Every membership of ``g`` in one request, the plan, written once (unless ``g`` already failed)."""
     values = store.multi_get([Keys.member(g, r) for r in range(world_size)])
     members = {r: Membership.from_json(v) for r, v in enumerate(values)}
-    store.compare_set(Keys.settled(g), "", plan_resume(g, members).to_json())
+    settle(store, g, plan_resume(g, members).to_json())

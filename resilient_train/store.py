@@ -28,7 +28,7 @@ from resilient_train.env import WorkerEnv
 __all__ = [
     "Keys", "StoreTimeout", "attempt_store", "connect_worker_store", "current_generation", "declare_fault",
     "interrupt_generation", "job_store", "new_token", "read_fault", "read_stop", "report_fault", "request_stop",
-    "wait_until",
+    "settle", "wait_until",
 ]
 
 
@@ -70,6 +70,11 @@ class Keys:
         return f"rt/gen/{g}/wake/{rank}"
 
     FAILED = "failed"  # Keys.settled(g) when g failed before its plan was written
+
+    @staticmethod
+    def settled_bell(g: int) -> str:
+        """Added to once ``settled(g)`` holds a value: what the joiners wait on (see :func:`settle`)."""
+        return f"rt/gen/{g}/settled_bell"
 
     @staticmethod
     def done(g: int) -> str:
@@ -158,9 +163,21 @@ def report_fault(store: dist.Store, generation: int, cause: dict[str, Any], *, w
     return first, json.loads(standing)
 
 
+def settle(store: dist.Store, generation: int, value: str) -> None:
+    """``generation``'s join ends with ``value`` (its plan, or FAILED) unless it already ended.
+
+    The value is a ``compare_set`` (the first wins, for everyone); the waiters
+    are woken by an ``add`` beside it, because the store the agent hosts
+    (TCPStore without libuv, to take a listening socket) answers a ``wait``
+    on a ``set``, ``add`` or ``multi_set``, never on a ``compare_set``.
+    """
+    store.compare_set(Keys.settled(generation), "", value)
+    store.add(Keys.settled_bell(generation), 1)
+
+
 def interrupt_generation(store: dist.Store, generation: int, *, world_size: int) -> None:
     """Ends every wait on ``generation``: its join (settled as FAILED unless planned) and its ranks' watchers."""
-    store.compare_set(Keys.settled(generation), "", Keys.FAILED)
+    settle(store, generation, Keys.FAILED)
     keys = [Keys.wake(generation, r) for r in range(world_size)]
     store.multi_set(keys, ["1"] * world_size)
 
