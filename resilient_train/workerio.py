@@ -103,6 +103,7 @@ class Console:
                          Std.ERR: err if err is not None else sys.stderr.buffer}
         self._lock = threading.Lock()
         self._shown: dict[tuple[bytes, ...], tuple[int, int]] = {}  # traceback -> (rank, attempt) that showed it
+        self.interrupted = False  # the agent forwarded SIGINT: a KeyboardInterrupt's traceback is one line
 
     def write(self, data: bytes, std: Std = Std.ERR) -> None:
         with self._lock:
@@ -114,6 +115,10 @@ class Console:
         key = tuple(_RANK_PREFIX.sub(b"", line).rstrip() for line in block)
         err = self._streams[Std.ERR]
         with self._lock:
+            if self.interrupted and key[-1].startswith(b"KeyboardInterrupt"):
+                err.write(prefix + f"[rank{rank}]: interrupted (KeyboardInterrupt)\n".encode())
+                err.flush()
+                return
             first = self._shown.setdefault(key, (rank, attempt))
             if first == (rank, attempt):
                 err.write(b"".join(prefix + line for line in block))
