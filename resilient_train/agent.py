@@ -295,9 +295,11 @@ class Agent:
 
     def _rehost_store(self) -> None:
         """The next attempt's store, on the same port (the old server is closed first)."""
-        self.store = self._server = None  # type: ignore[assignment]
+        # Every reference to the old server goes first, or the port is still taken.
+        self.store = self._server = self._nodes = None  # type: ignore[assignment]
         gc.collect()
         self.store = self._host_store(self.port)
+        self._nodes = NodeWatch(self.store, self.config.node_rank, self.config.nnodes, self.config.node_timeout_s)
 
     # ---------------------------------------------------------------- spawn
     def _worker_env(self, rank: int, generation: int, replacement: bool, output: WorkerOutput) -> dict[str, str]:
