@@ -77,6 +77,7 @@ class Supervisor:
         self.generation = -1
         self.group: dist.ProcessGroup | None = None
         self._ddps: list[tuple[ReplicatedModule, GradientReducer | None]] = []
+        self._added: list[Part] = []  # add_part(): before the built-in parts, so they see a generation first
         # On SIGUSR1 every thread's stack goes to RUN_DIR/.monitors/rank{r}.stacks: the agent asks before it
         # kills a hung rank.
         self._stacks_file = install_stack_dump(self.run_dir, self.env.rank) if self.run_dir else None
@@ -95,6 +96,14 @@ class Supervisor:
         wrapped = ReplicatedModule(model, ddp_kwargs, phase=lambda name: self.stepper.auto_phase(name))
         self._ddps.append((wrapped, None))
         return wrapped
+
+    def add_part(self, part: Part) -> None:
+        """Plugs ``part`` (an integration, such as Megatron's parallel state) into the loop; call before ``run``."""
+        if not isinstance(part, Part):
+            raise UsageError(f"add_part takes a resilient_train.parts.Part, got {type(part).__name__}")
+        if hasattr(self, "parts"):
+            raise UsageError("add_part must be called before run()")
+        self._added.append(part)
 
     def run(self, step_fn: StepFn, state: TrainState, *, on_new_group: Callable[[], None] | None = None) -> TrainState:
         """Runs ``step_fn`` until ``state.step == config.steps``, through faults."""
@@ -152,7 +161,7 @@ class Supervisor:
     # ---------------------------------------------------------------- parts
     def _setup_parts(self, state: TrainState) -> None:
         c, rank = self.config, self.env.rank
-        parts: list[Part] = []
+        parts: list[Part] = list(self._added)
         chaos = ChaosPart(loads_faults(os.environ.get(envvars.RT_CHAOS, "")), rank=rank, store=self.store,
                           run_dir=self.run_dir, events=self.events, step=lambda: self.ctx.step)
         if chaos:  # before progress: a rank stopped "at" a phase has not entered it
@@ -307,6 +316,8 @@ class Supervisor:
         destructor waits for gloo's worker threads, and one may sit in a
         collective that only the timeout ends (seen at 4 ranks: 30 s).
         """
+        if hasattr(self, "parts"):
+            self.parts.before_release()
         self.stepper.reset_reducers()
         for wrapped, _ in self._ddps:
             wrapped.drop()
