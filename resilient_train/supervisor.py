@@ -18,6 +18,7 @@ import gc
 import os
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -316,11 +317,13 @@ class Supervisor:
         destructor waits for gloo's worker threads, and one may sit in a
         collective that only the timeout ends (seen at 4 ranks: 30 s).
         """
-        if hasattr(self, "parts"):
-            self.parts.before_release()
         self.stepper.reset_reducers()
         for wrapped, _ in self._ddps:
             wrapped.drop()
+        if hasattr(self, "parts"):
+            # After the reducers forgot their work: a pending error's frames hold the step's autograd graph,
+            # whose Megatron functions hold their groups.
+            self.parts.before_release()
         self.group = None
         box = [g] if (g := destroy_group(self.device)) is not None else []
         del g
@@ -353,6 +356,9 @@ class Supervisor:
             self._stopped = exc if isinstance(exc, JobStopped) else JobStopped(stop["summary"], int(stop["exit_code"]))
             return _S.FAILED
         verdict = self.judge.failure(exc, step=self.ctx.step, generation_moved=self._watcher.moved.is_set())
+        # The exception may live on (a reduction's future keeps it): its frames' locals (the step's loss, and
+        # through its autograd graph every group a Megatron function saved) must not.
+        traceback.clear_frames(exc.__traceback__)
         if isinstance(verdict, Stop):
             return self._stop_job(verdict)
         # Only text: the exception's frames hold tensors and the failed group's work, which must be freed.

@@ -95,13 +95,29 @@ class GroupCensus:
         return Census(registered=len(c10d._world.pg_map), alive=len(self._refs), built=self._built)
 
     def holders(self) -> list[str]:
-        """For a report: the types of what refers to the groups still alive."""
+        """For a report: each group still alive (its Megatron name) and what refers to it.
+
+        A holder outside Python's view (an autograd graph's C++ nodes, a future)
+        shows as a bare ``cell`` or nothing: the usual one is a step's loss kept
+        alive with its graph, whose Megatron functions saved their groups.
+        """
         names: set[str] = set()
         for r in self._refs:
             g = r()
-            if g is not None:
-                names.update(type(h).__name__ for h in gc.get_referrers(g))
-        return sorted(names - {"list", "frame"})
+            if g is None:
+                continue
+            names.add(f"group {getattr(g, 'group_desc', '?')}")
+            for h in gc.get_referrers(g):
+                if isinstance(h, dict):  # an object's __dict__ or a module's globals: name the key and its owner
+                    keys = [str(k) for k, v in h.items() if v is g][:3]
+                    owners = [type(o).__name__ for o in gc.get_referrers(h) if not isinstance(o, (list, dict))][:2]
+                    names.add(f"dict[{','.join(keys)}] of {','.join(owners) or '?'}")
+                elif type(h).__name__ == "frame":
+                    names.add(f"frame {h.f_code.co_name} ({h.f_code.co_filename.rsplit('/', 1)[-1]}:{h.f_lineno})")
+                elif not isinstance(h, list):
+                    names.add(type(h).__name__)
+            del g
+        return sorted(names)
 
 
 def snapshot_module_state(module: ModuleType) -> dict[str, Any]:
