@@ -5,7 +5,7 @@ builds it), Megatron's groups on it, a real collective on the groups a tracked
 module holds, then the teardown and the default group destroyed. The counts
 go to OUT/rank{r}.json.
 
-    python megatron_generations.py RANK WORLD PORT OUT --tensor T --generations G
+    python megatron_generations.py RANK WORLD PORT OUT --tensor T --generations G    (PORT 0: any free port)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import sys
+import time
 import warnings
 from datetime import timedelta
 
@@ -22,6 +23,28 @@ import torch
 import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+
+def _store(a: argparse.Namespace) -> dist.TCPStore:
+    """Port 0: rank 0 binds a free port and writes it to OUT/port, the others read it (no port is guessed)."""
+    if a.port or a.rank == 0:
+        store = dist.TCPStore("127.0.0.1", a.port, a.world, a.rank == 0, timeout=timedelta(seconds=60),
+                              wait_for_workers=False)
+        if a.rank == 0 and not a.port:
+            tmp = os.path.join(a.out, "port.tmp")
+            with open(tmp, "w") as f:
+                f.write(str(store.port))
+            os.replace(tmp, os.path.join(a.out, "port"))
+        return store
+    deadline = time.monotonic() + 60
+    path = os.path.join(a.out, "port")
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 never wrote its store's port")
+        time.sleep(0.05)
+    with open(path) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, a.world, False, timeout=timedelta(seconds=60))
 
 
 def main() -> int:
@@ -44,7 +67,7 @@ def main() -> int:
     from resilient_train.group import build_group, destroy_group
     from resilient_train.integrations.megatron.parallel import MegatronConfig, MegatronParallel
 
-    store = dist.TCPStore("127.0.0.1", a.port, a.world, a.rank == 0, timeout=timedelta(seconds=60))
+    store = _store(a)
     parallel = MegatronParallel(MegatronConfig(tensor=a.tensor, pipeline=a.pipeline, gloo_groups=a.gloo_groups),
                                 rank=a.rank, world_size=a.world)
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
