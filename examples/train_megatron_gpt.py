@@ -105,6 +105,10 @@ class GPTLoss(nn.Module):
 
 def build_model(m: ModelArgs, groups: Any, device: torch.device, seed: int) -> nn.Module:
     torch.manual_seed(seed)  # the same initial weights on every rank
+    if device.type == "cuda":
+        from resilient_train.integrations.megatron.rng import seed_rng_tracker
+
+        seed_rng_tracker(seed)  # Megatron's attention forks its CUDA generators (TP = 1: tensor rank 0)
     config = transformer_config(m, device)
     model = (GPTLoss if m.arch == "gpt" else MegatronMLPLM)(m, config, groups)
     return model.to(device)
@@ -138,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=0, help="print the loss every N steps on rank 0 (0: never)")
     p.add_argument("--reproducible", action="store_true",
                    help="deterministic algorithms and one intra-op thread: bitwise-reproducible runs")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="the supervisor's process-group backend (auto: nccl with CUDA; gloo runs --arch mlp on CPU)")
     p.add_argument("--plain", action="store_true",
                    help="the same loop without the supervisor (one process: the step-time baseline)")
     p.add_argument("--timing", default=None,
@@ -178,13 +184,20 @@ def main_supervised(args: argparse.Namespace, m: ModelArgs) -> int:
     import resilient_train as rt
     from resilient_train.integrations import megatron as rtm
 
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, **({"reproducible": True} if args.reproducible else {})))
+    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, backend=args.backend,
+                                            **({"reproducible": True} if args.reproducible else {})))
     parallel = rtm.attach(sup)  # TP = PP = 1: every rank a data-parallel replica
     model = build_model(m, parallel.groups, sup.device, args.seed)
     parallel.track(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     torch.manual_seed(args.seed * 7919 + sup.env.rank)
-    state = rt.TrainState(model=model, optimizer=optimizer)
+    # Megatron's tracked CUDA generators belong to each step's rank-local state, beside torch's own.
+    extra = None
+    if sup.device.type == "cuda":
+        from resilient_train.integrations.megatron.rng import RngTrackerState
+
+        extra = RngTrackerState()
+    state = rt.TrainState(model=model, optimizer=optimizer, extra=extra)
     timer = _Timer(args, sup.device)
 
     def train_step(ctx: rt.StepContext) -> torch.Tensor:
@@ -247,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     m = ModelArgs(arch=args.arch, vocab=args.vocab, seq_len=args.seq_len, hidden=args.hidden, layers=args.layers,
                   heads=args.heads)
-    if args.arch == "gpt" and not torch.cuda.is_available():
+    if args.arch == "gpt" and (not torch.cuda.is_available() or args.backend == "gloo"):
         print("train_megatron_gpt.py: --arch gpt needs CUDA (Megatron's attention allocates from a CUDA "
               "buffer); use --arch mlp on CPU", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 EXAMPLE = REPO / "examples" / "train_megatron_gpt.py"
 SMALL = ["--arch", "mlp", "--hidden", "32", "--layers", "2", "--seq-len", "16", "--vocab", "64", "--batch", "4",
-         "--reproducible"]
+         "--reproducible", "--backend", "gloo"]
 STEPS = 12
 
 
