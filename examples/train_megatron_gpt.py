@@ -161,17 +161,25 @@ class _Timer:
     """Wall time of the steps after the warm-up, the device drained at both ends."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
-        self.args, self.device, self.t0 = args, device, None
+        self.args, self.device = args, device
+        self.t0: float | None = None
+        self.t1: float | None = None
 
     def at(self, step: int) -> None:
         if self.args.timing and step == self.args.warmup and self.t0 is None:
             self._sync()
             self.t0 = time.perf_counter()
 
-    def write(self, rank: int) -> None:
-        if self.args.timing and rank == 0 and self.t0 is not None:
+    def end(self, step: int) -> None:
+        """At the end of each step: the last one stops the clock (what follows the loop is not a step:
+        the supervisor's final state, a few GB for a large model, is written after it)."""
+        if self.args.timing and step == self.args.steps - 1 and self.t0 is not None and self.t1 is None:
             self._sync()
-            seconds = time.perf_counter() - self.t0
+            self.t1 = time.perf_counter()
+
+    def write(self, rank: int) -> None:
+        if self.args.timing and rank == 0 and self.t1 is not None:
+            seconds = self.t1 - self.t0
             with open(self.args.timing, "w") as f:
                 json.dump({"steps": self.args.steps - self.args.warmup, "seconds": seconds}, f)
 
@@ -212,6 +220,7 @@ def main_supervised(args: argparse.Namespace, m: ModelArgs) -> int:
         ctx.average_gradients()
         ctx.enter("optimizer")
         optimizer.step()
+        timer.end(ctx.step)
         if ctx.rank == 0 and args.log_every and (ctx.step + 1) % args.log_every == 0:
             print(f"step {ctx.step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
         return loss.detach()
@@ -248,6 +257,7 @@ def main_plain(args: argparse.Namespace, m: ModelArgs) -> int:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        timer.end(step)
         if args.log_every and (step + 1) % args.log_every == 0:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
     timer.write(0)
