@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -39,7 +39,8 @@ from checkpointing.manifest import MANIFEST_FILE, CheckpointError, FileEntry, Ma
 from checkpointing.retention import RetentionWorker
 from monitors.events import EventLog
 
-__all__ = ["FORMAT", "MegatronCheckpointConfig", "MegatronCheckpointer", "NoMegatronCheckpoint"]
+__all__ = ["FORMAT", "MegatronCheckpointConfig", "MegatronCheckpointFailed", "MegatronCheckpointer",
+           "NoMegatronCheckpoint"]
 
 FORMAT = "megatron.dist_checkpointing"
 _RANK_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -48,6 +49,10 @@ _REPLACED = ".replaced"
 
 class NoMegatronCheckpoint(FileNotFoundError):
     """No committed Megatron checkpoint under the directory verifies."""
+
+
+class MegatronCheckpointFailed(RuntimeError):
+    """A save was written but not committed (raised on every rank; the step directory stays ``.tmp``)."""
 
 
 @dataclass(kw_only=True)
@@ -88,6 +93,13 @@ class MegatronCheckpointer:
         """Writes ``sharded_state_dict`` as step ``step`` and commits it; returns the step directory."""
         from megatron.core import dist_checkpointing
 
+        return self.commit_with(step, lambda tmp: dist_checkpointing.save(sharded_state_dict, str(tmp)),
+                                extras=extras)
+
+    def commit_with(self, step: int, write: Callable[[Path], Any], *, extras: dict[str, Any] | None = None) -> Path:
+        """The commit protocol around ``write(tmp_dir)``, a collective that writes the ``torch_dist`` layout
+        (``save`` passes ``dist_checkpointing.save``; the CPU tests, which have no CUDA for it, write the same
+        layout with ``torch.distributed.checkpoint``, which Megatron's ``torch_dist`` strategy writes through)."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"MegatronCheckpointer.save: step must be an int >= 0, got {step!r}")
         final = step_dir(self.root, step)
@@ -97,14 +109,21 @@ class MegatronCheckpointer:
             remove_tree(tmp)  # an earlier, crashed attempt at this step
             tmp.mkdir(parents=True)
         self._barrier()
-        dist_checkpointing.save(sharded_state_dict, str(tmp))
+        write(tmp)
         t_written = time.monotonic()
         mine = self._describe_own(tmp)
         reports = self._gather(mine)
         t_checksummed = time.monotonic()
+        error = None
         if self.rank == 0:
-            self._commit(tmp, final, step, reports, extras or {})
-        self._barrier()
+            try:
+                self._commit(tmp, final, step, reports, extras or {})
+            except (CheckpointError, OSError) as e:
+                error = str(e)
+        error = self._agree(error)  # every rank learns the verdict (and none waits on a rank 0 that failed)
+        if error is not None:
+            self._events.emit("megatron_checkpoint_failed", step=step, rank=self.rank, reason=error)
+            raise MegatronCheckpointFailed(f"Megatron checkpoint step {step} was not committed: {error}")
         t_done = time.monotonic()
         self.last_timings = {"write_s": t_written - t0, "checksum_s": t_checksummed - t_written,
                              "commit_s": t_done - t_checksummed, "total_s": t_done - t0}
@@ -205,9 +224,10 @@ class MegatronCheckpointer:
         dist.all_gather_object(out, mine, group=self.group)
         return out
 
-    def _agree(self, step: int | None) -> int | None:
+    def _agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
         if not dist.is_initialized() or self.world_size == 1:
-            return step
-        box = [step]
+            return value
+        box = [value]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
