@@ -402,7 +402,7 @@ class Supervisor:
         t0 = time.monotonic()
         if g >= 0 and not self._watcher.wait_handled(self.config.pg_timeout_s):
             # The generation moved (declared above) but the watcher has not finished acting on it: its NCCL
-            # abort would race the release below. Seen only with a store that stopped answering.
+            # abort would race the release below (expected only when the store stops answering).
             self.events.emit("watcher_late", rank=self.env.rank, generation=g, waited_s=self.config.pg_timeout_s)
         self._release_group()
         self.stepper.discard_gradients()

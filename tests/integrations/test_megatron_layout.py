@@ -61,6 +61,7 @@ def test_distributed_optimizer_shards_the_replicas():
 @pytest.mark.parametrize("bad", [
     {"world_size": 6, "tensor": 4}, {"world_size": 0}, {"world_size": 4, "tensor": True},
     {"world_size": 4, "order": "tp-dp-pp"}, {"world_size": 4, "optimizer_instances": 3},
+    {"world_size": 4, "expert": 2},
 ])
 def test_bad_layouts_are_refused(bad):
     with pytest.raises(ValueError):

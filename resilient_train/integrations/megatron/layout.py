@@ -65,8 +65,9 @@ class ParallelLayout:
         if (self.data * self.context) % self.optimizer_instances:
             raise ValueError(f"data x context = {self.data * self.context} is not divisible by "
                              f"optimizer_instances = {self.optimizer_instances}")
-        if self.expert > 1 and self.context > 1:
-            raise ValueError("expert and context parallelism at once are not supported here")
+        if self.expert > 1:
+            # Expert layers split the data-parallel dimension again: their shards have other replicas.
+            raise ValueError("ParallelLayout: expert parallelism (expert > 1) is not supported yet")
 
     @property
     def data(self) -> int:
