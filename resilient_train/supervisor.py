@@ -18,6 +18,7 @@ import gc
 import os
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -79,6 +80,7 @@ class Supervisor:
         self.generation = -1
         self.group: dist.ProcessGroup | None = None
         self._ddps: list[tuple[ReplicatedModule, GradientReducer | None]] = []
+        self._added: list[Part] = []  # add_part(): before the built-in parts, so they see a generation first
         # On SIGUSR2 every thread's stack goes to RUN_DIR/.monitors/rank{r}.stacks: the agent asks before it
         # kills a hung rank.
         self._stacks_file = install_stack_dump(self.run_dir, self.env.rank) if self.run_dir else None
@@ -97,6 +99,14 @@ class Supervisor:
         wrapped = ReplicatedModule(model, ddp_kwargs, phase=lambda name: self.stepper.auto_phase(name))
         self._ddps.append((wrapped, None))
         return wrapped
+
+    def add_part(self, part: Part) -> None:
+        """Plugs ``part`` (an integration, such as Megatron's parallel state) into the loop; call before ``run``."""
+        if not isinstance(part, Part):
+            raise UsageError(f"add_part takes a resilient_train.parts.Part, got {type(part).__name__}")
+        if hasattr(self, "parts"):
+            raise UsageError("add_part must be called before run()")
+        self._added.append(part)
 
     def run(self, step_fn: StepFn, state: TrainState, *, on_new_group: Callable[[], None] | None = None) -> TrainState:
         """Runs ``step_fn`` until ``state.step == config.steps``, through faults."""
@@ -163,7 +173,7 @@ class Supervisor:
     # ---------------------------------------------------------------- parts
     def _setup_parts(self, state: TrainState) -> None:
         c, rank = self.config, self.env.rank
-        parts: list[Part] = []
+        parts: list[Part] = list(self._added)
         chaos = ChaosPart(loads_faults(os.environ.get(envvars.RT_CHAOS, "")), rank=rank, store=self.store,
                           run_dir=self.run_dir, events=self.events, step=lambda: self.ctx.step)
         if chaos:  # before progress: a rank stopped "at" a phase has not entered it
@@ -352,6 +362,10 @@ class Supervisor:
         self.stepper.reset_reducers()
         for wrapped, _ in self._ddps:
             wrapped.drop()
+        if hasattr(self, "parts"):
+            # After the reducers forgot their work: a pending error's frames hold the step's autograd graph,
+            # whose Megatron functions hold their groups.
+            self.parts.before_release()
         self.group = None
         box = [g] if (g := destroy_group(self.device)) is not None else []
         del g
@@ -384,6 +398,9 @@ class Supervisor:
             self._stopped = exc if isinstance(exc, JobStopped) else JobStopped(stop["summary"], int(stop["exit_code"]))
             return _S.FAILED
         verdict = self.judge.failure(exc, step=self.ctx.step, generation_moved=self._watcher.moved.is_set())
+        # The exception may live on (a reduction's future keeps it): its frames' locals (the step's loss, and
+        # through its autograd graph every group a Megatron function saved) must not.
+        traceback.clear_frames(exc.__traceback__)
         if isinstance(verdict, Stop):
             return self._stop_job(verdict)
         # Only text: the exception's frames hold tensors and the failed group's work, which must be freed.
@@ -425,6 +442,10 @@ class Supervisor:
                          phase=self.ctx.phase.value, kind=kind, error=message[:300],
                          failure=failure.kind.value, first_reporter=first, cause=cause)
         t0 = time.monotonic()
+        if g >= 0 and not self._watcher.wait_handled(self.config.pg_timeout_s):
+            # The generation moved (declared above) but the watcher has not finished acting on it: its NCCL
+            # abort would race the release below (expected only when the store stops answering).
+            self.events.emit("watcher_late", rank=self.env.rank, generation=g, waited_s=self.config.pg_timeout_s)
         self._release_group()
         self.stepper.discard_gradients()
         if self.stepper.live is not None:

@@ -26,6 +26,7 @@ class GenerationWatcher:
     ) -> None:
         self.generation = -1
         self.moved = threading.Event()
+        self.handled = threading.Event()  # on_moved returned (the abort is over): the groups may be released
         self.stopped = threading.Event()
         self._store = store.clone()  # its own connection: the main thread's may be mid-request
         self._interval_s = interval_s
@@ -38,6 +39,15 @@ class GenerationWatcher:
         """Starts watching a newly joined generation."""
         self.generation = generation
         self.moved.clear()
+        self.handled.clear()
+
+    def wait_handled(self, timeout: float) -> bool:
+        """Waits until the watcher has acted on the move of the watched generation (its NCCL abort is over).
+
+        The main thread releases the groups only then: an abort still iterating
+        over them on this thread would otherwise race their destruction.
+        """
+        return self.handled.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -57,4 +67,7 @@ class GenerationWatcher:
                 self.stopped.set()
             if (moved and g == self.generation) or stopped:
                 self.moved.set()
-                self._on_moved()
+                try:
+                    self._on_moved()
+                finally:
+                    self.handled.set()
