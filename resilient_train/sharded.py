@@ -90,8 +90,10 @@ class ShardedModule(torch.nn.Module):
     def drop(self) -> None:
         """Forgets this generation's module (it holds the generation's groups), keeping its local tensors."""
         if self._current is not None:
-            self._previous = {n: (t.to_local() if isinstance(t, DTensor) else t).detach()
-                              for n, t in _named_tensors(self._current)}
+            # The parameters FSDP registered when it was built are the sharded ones; a fault mid-step may
+            # leave the unsharded ones registered in their place (named_parameters() would give those).
+            tensors = [*self._old_params.items(), *self._current.named_buffers()]
+            self._previous = {n: (t.to_local() if isinstance(t, DTensor) else t).detach() for n, t in tensors}
         object.__setattr__(self, "_current", None)
 
     def _retire_template(self) -> None:
