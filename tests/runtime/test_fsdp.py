@@ -17,6 +17,7 @@ from checkpointing import diff_states, read_state
 from jobs import REPO, Job, ckpt_diff, run_script, survivors_kept_pids
 
 FSDP = REPO / "examples" / "train_fsdp.py"
+TP = REPO / "examples" / "train_tp.py"
 PLAIN = REPO / "tests" / "runtime" / "plain_fsdp_script.py"
 SMALL = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--dataset", "256",
          "--log-every", "0", "--reproducible"]
@@ -24,8 +25,9 @@ PHASES = ["data", "forward", "backward", "all-reduce", "optimizer", "between-ste
 STEPS = 2 + 3 * len(PHASES) + 6
 
 
-def run_fsdp(run_dir, *, nproc: int, steps: int, faults=None, extra=(), timeout: float = 150, env=None) -> Job:
-    return run_script(run_dir, FSDP, ["--steps", str(steps), *SMALL, *extra], nproc=nproc, faults=faults,
+def run_fsdp(run_dir, *, nproc: int, steps: int, faults=None, extra=(), timeout: float = 150, env=None,
+             script=FSDP) -> Job:
+    return run_script(run_dir, script, ["--steps", str(steps), *SMALL, *extra], nproc=nproc, faults=faults,
                       timeout=timeout, agent_args=["--max-restarts", str(len(faults or []) + 1)], env=env)
 
 
@@ -39,10 +41,11 @@ def plain_fsdp(out, *, nproc: int, steps: int, extra=()) -> subprocess.Completed
 _refs: dict[tuple, Job] = {}
 
 
-def fault_free(tmp_path_factory, nproc: int, steps: int, extra=()) -> Job:
-    key = (nproc, steps, tuple(extra))
+def fault_free(tmp_path_factory, nproc: int, steps: int, extra=(), script=FSDP) -> Job:
+    key = (nproc, steps, tuple(extra), script)
     if key not in _refs:
-        job = run_fsdp(tmp_path_factory.mktemp("fsdp-ref") / "run", nproc=nproc, steps=steps, extra=extra)
+        job = run_fsdp(tmp_path_factory.mktemp("fsdp-ref") / "run", nproc=nproc, steps=steps, extra=extra,
+                       script=script)
         assert job.returncode == 0, job.stderr[-3000:]
         _refs[key] = job
     return _refs[key]
@@ -60,12 +63,13 @@ def _faults(nproc: int) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_final_state_equals_a_plain_fsdp2_loop(tmp_path, tmp_path_factory, nproc):
+@pytest.mark.parametrize("nproc,extra", [(2, ()), pytest.param(4, (), marks=pytest.mark.slow),
+                                         pytest.param(4, ("--replicas", "2"), marks=pytest.mark.slow, id="hsdp-2x2")])
+def test_final_state_equals_a_plain_fsdp2_loop(tmp_path, tmp_path_factory, nproc, extra):
     steps = 8
-    plain = plain_fsdp(tmp_path / "plain", nproc=nproc, steps=steps)
+    plain = plain_fsdp(tmp_path / "plain", nproc=nproc, steps=steps, extra=extra)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    job = fault_free(tmp_path_factory, nproc, steps)
+    job = fault_free(tmp_path_factory, nproc, steps, extra=extra)
     ours, manifest = read_state(job.run_dir / "final")
     ref, _ = read_state(tmp_path / "plain")
     assert manifest.step == steps
@@ -119,3 +123,23 @@ def test_buddy_refresh_every_k_steps_rolls_back_and_replays(tmp_path, tmp_path_f
     ref = fault_free(tmp_path_factory, 2, 10, extra=("--buddy-every", "3"))
     d = ckpt_diff(ref.run_dir / "final", job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("script,extra", [(FSDP, ("--replicas", "2")), (TP, ("--tp", "2"))], ids=["hsdp-2x2", "tp-dp-2x2"])
+def test_a_replicated_shard_heals_from_its_replica(tmp_path, tmp_path_factory, script, extra):
+    """HSDP 2x2 and TP x DP 2x2: every shard has a replica, so no buddy copies; a lost rank copies its
+    shards from the rank holding the same ones (the other replica group; the DP peer)."""
+    faults = _faults(4)
+    job = run_fsdp(tmp_path / "run", nproc=4, steps=STEPS, faults=faults, timeout=480, extra=extra, script=script)
+    assert job.returncode == 0, f"run failed:\n{job.stderr[-3000:]}"
+    assert {(f["rank"], f["phase"]) for f in faults} == {(e["rank"], e["phase"]) for e in job.of("fault_injected")}
+    survivors_kept_pids(job, killed={0, 3})
+    d = ckpt_diff(fault_free(tmp_path_factory, 4, STEPS, extra=extra, script=script).run_dir / "final",
+                  job.run_dir / "final")
+    assert d.returncode == 0, f"final state differs from the fault-free run: {d.stdout}{d.stderr}"
+    replaced = [e for e in job.of("healed") if e["bytes_received"] > 0]
+    # Mesh (2, 2), replicated along its first dimension: ranks r and r + 2 hold the same shards.
+    assert replaced and all(not e["from_buddy"] and e["from_rank"] == (e["rank"] + 2) % 4 for e in replaced), replaced
+    assert not job.of("buddy_refresh")
