@@ -123,6 +123,10 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
     if rank == 0:
         Path(out_path).write_text(json.dumps({"results": results, "torch": torch.__version__,
                                               "params": sum(p.numel() for p in model().parameters())}))
+    store.set(f"bench/done/{rank}", "1")
+    store.wait([f"bench/done/{r}" for r in range(world)], timedelta(seconds=120))
+    sys.stdout.flush()
+    os._exit(0)  # gloo's worker threads can abort the interpreter's exit ("terminate called"): nothing is left to do
 
 
 def summarize(data: dict[str, Any]) -> str:
