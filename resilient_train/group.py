@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -24,7 +25,9 @@ from torch.distributed import distributed_c10d as c10d
 
 from resilient_train.store import Keys
 
-__all__ = ["abort_nccl", "build_group", "destroy_group", "release_in_background"]
+__all__ = ["abort_nccl", "build_group", "destroy_group", "join_releases", "release_in_background"]
+
+_releases: list[threading.Thread] = []
 
 
 def _reset_counter() -> None:
@@ -81,7 +84,21 @@ def release_in_background(box: list[dist.ProcessGroup]) -> None:
     def drop() -> None:
         box.clear()
 
-    threading.Thread(target=drop, name="rt-release-group", daemon=True).start()
+    thread = threading.Thread(target=drop, name="rt-release-group", daemon=True)
+    thread.start()
+    _releases[:] = [t for t in _releases if t.is_alive()] + [thread]
+
+
+def join_releases(timeout_s: float) -> None:
+    """Waits (at most ``timeout_s`` in all) for the groups being released to be gone.
+
+    The interpreter exiting while a group's destructor runs on its daemon thread
+    aborts the process ("terminate called without an active exception"): a run
+    that ends gives its releases a moment to finish first.
+    """
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_releases):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def abort_nccl() -> None:

@@ -38,7 +38,7 @@ from resilient_train.disk import DiskCheckpoints
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
 from resilient_train.finish import finish_run, write_final
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
-from resilient_train.group import abort_nccl, build_group, destroy_group, release_in_background
+from resilient_train.group import abort_nccl, build_group, destroy_group, join_releases, release_in_background
 from resilient_train.heal import receive_state, send_state
 from resilient_train.judge import Judge, Stop
 from resilient_train.lifecycle import Lifecycle, SupervisorState
@@ -166,6 +166,7 @@ class Supervisor:
             self._watcher.close()
             self.stepper.close()
             self._release_group()
+            join_releases(_RELEASE_AT_EXIT_S)
             for part, error in self.parts.close():
                 self.events.emit("part_close_failed", rank=self.env.rank, part=part, error=error[:500])
                 print(f"resilient-train: rank {self.env.rank}: {part} did not close cleanly: {error.splitlines()[0]}",
@@ -552,6 +553,7 @@ class Supervisor:
         self.events.emit("final_state_written", path=str(path), step=self.config.steps)
 
 
+_RELEASE_AT_EXIT_S = 5.0  # a group still stuck in a collective after this is left to the process's exit
 _STEP_PHASES = frozenset(p.value for p in Phase if p not in RECOVERY_PHASES)
 
 
