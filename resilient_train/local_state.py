@@ -35,6 +35,7 @@ class LocalSlots:
     """The published local states of every rank, through one store."""
 
     SNAPSHOT = "snap"
+    SNAPSHOTS = ("snap", "snap1")  # two: buddy refreshes keep the newest two boundaries (resilient_train.buddy)
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
@@ -44,13 +45,18 @@ class LocalSlots:
         return f"rt/local/{rank}/{slot}"
 
     def publish(self, rank: int, step: int, payload: bytes, *, snapshot: bool = False) -> None:
-        slot = self.SNAPSHOT if snapshot else step % 2
+        slot: int | str = step % 2
+        if snapshot:
+            heads = {s: self._head(rank, s) for s in self.SNAPSHOTS}
+            same = [s for s, h in heads.items() if h is not None and h[0] == step]
+            empty = [s for s, h in heads.items() if h is None]
+            slot = same[0] if same else empty[0] if empty else min(self.SNAPSHOTS, key=lambda s: heads[s][0])  # type: ignore[index]
         self._store.set(self.key(rank, slot), f"{step}\n".encode() + payload)
 
     def steps(self, rank: int) -> list[int]:
         """The steps whose local state ``rank`` has published (ring slots and snapshot)."""
         found = set()
-        for slot in (0, 1, self.SNAPSHOT):
+        for slot in (0, 1, *self.SNAPSHOTS):
             head = self._head(rank, slot)
             if head is not None:
                 found.add(head[0])
@@ -58,7 +64,7 @@ class LocalSlots:
 
     def read(self, rank: int, step: int) -> bytes | None:
         """``rank``'s published local state of ``step``, or None."""
-        for slot in (step % 2, self.SNAPSHOT):
+        for slot in (step % 2, *self.SNAPSHOTS):
             head = self._head(rank, slot)
             if head is not None and head[0] == step:
                 return head[1]
