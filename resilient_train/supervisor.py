@@ -217,7 +217,7 @@ class Supervisor:
                                      events=self.events, run_dir=self.run_dir) if c.checkpoint is not None else None)
         if self.disk is None and self.run_dir is not None and (self.run_dir / "checkpoints").is_dir():
             # Checkpoints without a checkpoint config: a preemption's (resilient_train.preempt), to resume from.
-            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0), rank=rank,
+            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0, mode="disabled"), rank=rank,
                                         world_size=self.env.world_size, store=self.store, events=self.events,
                                         run_dir=self.run_dir)
         if self.disk is not None:
@@ -331,7 +331,7 @@ class Supervisor:
         if self.disk is None:
             if self.run_dir is None:
                 raise UsageError("preempted without a run directory to write the checkpoint to")
-            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0), rank=rank,
+            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0, mode="disabled"), rank=rank,
                                         world_size=self.env.world_size, store=self.store, events=self.events,
                                         run_dir=self.run_dir)
         if not any(isinstance(part, DiskPart) for part in self.parts.parts):
