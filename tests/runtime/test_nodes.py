@@ -105,6 +105,7 @@ def test_two_nodes_a_killed_rank_is_replaced_by_its_node_and_the_run_is_bitwise(
     assert d.returncode == 0, d.stdout + d.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_lost_node_is_taken_over_by_the_spare_and_the_run_is_bitwise(cluster_factory, references):
     c = cluster_factory(nnodes=2, steps=40)
@@ -140,6 +141,7 @@ def test_losing_node_0_takes_the_store_and_the_others_stop_saying_so(cluster_fac
     assert "lost the store on 127.0.0.1" in job.stderr and "node 0's agent is gone" in job.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigterm_to_one_agent_preempts_every_node_and_the_rerun_is_bitwise(cluster_factory, references):
     c = cluster_factory(nnodes=2, steps=40)

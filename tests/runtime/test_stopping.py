@@ -76,6 +76,7 @@ def test_ctrl_c_on_a_supervisor_job_checkpoints_and_stops(tmp_path):
     assert not [pid for pid in _worker_pids(run_dir) if _alive(pid)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_to_chaos_run_takes_its_job_down(tmp_path):
     out = tmp_path / "chaos"
