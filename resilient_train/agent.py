@@ -561,7 +561,7 @@ class Agent:
         def handler(signum: int, frame: object) -> None:
             self._signal = signum
             if signum == signal.SIGINT:
-                self.console.interrupted = True  # Ctrl-C reached the ranks too: no traceback per rank
+                self.console.interrupt()  # Ctrl-C reached the ranks too: no traceback per rank
 
         for name in self.config.signals:
             signum = getattr(signal, name)
