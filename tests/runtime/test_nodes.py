@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs import GPT, REPO, SMALL_GPT, Job, ckpt_diff
+from jobs import GPT, REPO, SMALL_GPT, Job, ckpt_diff, free_port
 
 STEPS = 24
 NPROC = 2  # per node
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
@@ -31,7 +24,7 @@ class Cluster:
     def __init__(self, run_dir: Path, *, nnodes: int, steps: int = STEPS, chaos: list[dict] | None = None,
                  node_timeout: float = 2.0) -> None:
         self.run_dir, self.nnodes, self.steps = run_dir, nnodes, steps
-        self.port = _free_port()
+        self.port = free_port()
         self.chaos = chaos
         self.node_timeout = node_timeout
         self.agents: dict[str, subprocess.Popen] = {}
