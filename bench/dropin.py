@@ -6,8 +6,9 @@ checkpoint file. Each is started with the same flags under both launchers
 (``--standalone --nproc-per-node N --max-restarts 3``); once rank 0 has done
 ``--kill-at`` iterations, rank 1 is SIGKILLed from outside. Measured, per run:
 seconds from the kill to the next iteration rank 0 starts, and whether the
-restarted attempt hung (no iteration within ``--hang-after`` seconds: the
-whole launcher is then killed). Runs alternate between the launchers.
+restarted attempt hung or failed (no iteration within ``--hang-after``
+seconds, or the launcher gave up without one). Runs alternate between the
+launchers.
 
     python bench/dropin.py --repeats 3
 """
@@ -60,7 +61,7 @@ def _rank_pid(marker: str, rank: int) -> int | None:
 
 
 def one_run(launcher: str, script: str, args: argparse.Namespace, work: Path, n: int) -> tuple[float | None, bool]:
-    """(seconds from the kill to the next iteration, hung?)."""
+    """(seconds from the kill to the next iteration, hung or failed?)."""
     tag = f"{launcher}-{script}-{n}"
     out, log = work / tag, work / f"{tag}.steps"
     out.mkdir()
@@ -73,7 +74,8 @@ def one_run(launcher: str, script: str, args: argparse.Namespace, work: Path, n:
         target, script_args = SCRIPTS / "nanogpt_like.py", [str(out)]
     cmd = [*_launcher(launcher, work / f"{tag}.run"), "--standalone", "--nproc-per-node", str(args.nproc),
            "--max-restarts", "3", str(target), *script_args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    errlog = open(work / f"{tag}.stderr", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=errlog,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + args.timeout
@@ -96,11 +98,16 @@ def one_run(launcher: str, script: str, args: argparse.Namespace, work: Path, n:
             if time.monotonic() > hang_deadline:
                 recovered, hung = None, True
                 break
-            if proc.poll() is not None:
-                raise RuntimeError(f"{tag}: the launcher exited ({proc.returncode}) without a new attempt")
+            if proc.poll() is not None:  # every restart failed (torchrun's shared store: stale keys)
+                print(f"  {tag}: the launcher exited ({proc.returncode}) without a new iteration",
+                      file=sys.stderr, flush=True)
+                recovered, hung = None, True
+                break
             time.sleep(0.01)
         if not hung:
             proc.wait(timeout=args.timeout)
+            if proc.returncode != 0:
+                print(f"  {tag}: the launcher exited {proc.returncode} after the restart", file=sys.stderr, flush=True)
         return recovered, hung
     finally:
         if proc.poll() is None:
@@ -128,7 +135,7 @@ def main() -> None:
                     results.setdefault((script, launcher), []).append(r)
                     print(f"  {script:8} {launcher:16} run {n}: "
                           + ("hung" if r[1] else f"{r[0]:.2f} s"), file=sys.stderr, flush=True)
-    print(f"| script | launcher | kill → next iteration, s (median; runs) | hung attempts |")
+    print(f"| script | launcher | kill → next iteration, s (median; runs) | runs that hung or failed |")
     print("|---|---|---|---|")
     for script in ("loop", "nanogpt"):
         medians = {}

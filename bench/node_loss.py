@@ -7,7 +7,7 @@ agent and its ranks SIGKILLed (its host dies) once step ``--kill-step`` is done:
   heal from live replicas (``--node-timeout`` is the detection time);
 * restart: what a torchrun job does: every node's agent is stopped and started
   again at once (an instant scheduler), and the job resumes from the newest
-  checkpoint, saved every ``--ckpt-every`` steps.
+  checkpoint, saved synchronously every ``--ckpt-every`` steps.
 
 Reported per run: seconds from the kill to the next completed step, and steps
 redone; runs alternate.
@@ -53,11 +53,20 @@ def _agent(run: Path, port: int, args: argparse.Namespace, *, node: int | None, 
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def _wait_step(run: Path, step: int, timeout: float, after: float = 0.0) -> dict:
+def _wait_step(run: Path, step: int, timeout: float, after: float = 0.0, marker: str | None = None) -> dict:
+    """The first step done after ``after`` (and after the first ``marker`` event since then, if given).
+
+    The marker (the survivors' recovery, or the restarted job's first rank) keeps a step that was
+    finishing as the node died from counting as the next one.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        seen = marker is None
         for e in _events(run):
-            if e["event"] == "step_done" and e["step"] > step and e["time"] > after:
+            if e["time"] <= after:
+                continue
+            seen = seen or e["event"] == marker
+            if seen and e["event"] == "step_done" and e["step"] > step:
                 return e
         time.sleep(0.02)
     raise RuntimeError(f"no step after {step} within {timeout} s")
@@ -71,7 +80,8 @@ def _kill(p: subprocess.Popen) -> None:
 
 def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float, int]:
     run, port = work / f"{mode}-{n}", _port()
-    extra = ["--ckpt-every", str(args.ckpt_every)] if mode == "restart" else []
+    # The baseline's checkpoints are synchronous: an async save still in flight would skip the next ones.
+    extra = ["--ckpt-every", str(args.ckpt_every), "--ckpt-mode", "disabled"] if mode == "restart" else []
     agents = [_agent(run, port, args, node=0, extra=extra), _agent(run, port, args, node=1, extra=extra)]
     if mode == "spare":
         agents.append(_agent(run, port, args, node=None, extra=extra))
@@ -84,7 +94,8 @@ def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float,
             port = _port()
             agents = [_agent(run, port, args, node=0, extra=extra), _agent(run, port, args, node=1, extra=extra)]
         last_done = max(e["step"] for e in _events(run) if e["event"] == "step_done" and e["time"] <= killed)
-        nxt = _wait_step(run, 0, timeout=args.timeout, after=killed)
+        nxt = _wait_step(run, 0, timeout=args.timeout, after=killed,
+                         marker="recovery_done" if mode == "spare" else "run_start")
         if mode == "restart":
             resumed = [e["step"] for e in _events(run) if e["event"] == "resumed_from_disk" and e["time"] > killed]
             redone = last_done - (resumed[0] if resumed else 0)

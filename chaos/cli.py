@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from pathlib import Path
 
@@ -128,8 +129,20 @@ def _cmd_list() -> int:
     return 0
 
 
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # SIGTERM and Ctrl-C unwind the runner, whose job (in its own session) is taken down on the way out.
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         if args.command == "run":
             return _cmd_run(args)
@@ -141,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"resilient-train chaos: error: {e}", file=sys.stderr)
         return 2
+    except _Interrupted as e:
+        print(f"resilient-train chaos: received {e}: the job under test was stopped; no verdict", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from chaos.scenario import JobSpec
 __all__ = ["DriverFired", "JobRun", "run_job"]
 
 _POLL_S = 0.1
+MAX_REQUEUES = 3  # starts of a job that keeps being preempted
+REQUEUE_EXIT = 75  # resilient_train.exitcodes.REQUEUE (not imported: resilient_train imports chaos)
 _DEFAULT_OUTAGE_S = 1.5
 
 
@@ -81,11 +83,20 @@ def run_job(job: JobSpec, run_dir: Path, *, faults: list[PlannedFault], timeout_
     in_rank = [x for f in faults for x in f.to_faults(launch_time=launch)]
     cmd = _command(job, run_dir, dumps_faults(in_rank), monitor_file, restarts)
     (run_dir / "command.json").write_text(json.dumps(cmd))
-    with open(run_dir / "job.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RT_REPRODUCIBLE": "1", **job.env},
-                                start_new_session=True)
+    env = {**os.environ, "RT_REPRODUCIBLE": "1", **job.env}
+
+    def start() -> subprocess.Popen:
+        with open(run_dir / "job.log", "ab") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
     run = JobRun(run_dir=run_dir, returncode=None, timed_out=False, launch_time=launch, end_time=launch)
-    _Watch(job, run, proc, faults).loop(launch + timeout_s)
+    watch = _Watch(job, run, start(), faults)
+    # A preempted job (exit 75, a SIGTERM fault) is started again, as a requeueing scheduler would.
+    for _ in range(MAX_REQUEUES):
+        watch.loop(launch + timeout_s)
+        if run.returncode != REQUEUE_EXIT or run.timed_out:
+            break
+        watch.proc = start()
     return run
 
 

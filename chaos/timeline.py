@@ -16,7 +16,10 @@ __all__ = ["FaultTimeline", "Progress", "build_timelines", "progress"]
 # waiting in a collective on the hung rank is reported long before, and nobody acts on it.
 _DETECTIONS = ("fault_detected", "rerun_rejected")
 # Kinds that only a particular event detects (a corrupt checkpoint: when a load verifies it).
-_DETECTED_BY = {"corrupt-ckpt": ("checkpoint_invalid",)}
+_DETECTED_BY = {"corrupt-ckpt": ("checkpoint_invalid",), "term": ("preempting",)}
+# A SIGTERM is a preemption: the job stops at a boundary after a checkpoint and is started again (the
+# driver requeues it, as a scheduler would); it has recovered when the new job trains from that checkpoint.
+_REQUEUED_KINDS = frozenset({"term"})
 # A stopped or stuck rank is detected when the agent kills it: the agent's fault_detected for that rank.
 _HANG_KINDS = frozenset({"hang", "spin", "block"})
 _VALUE_KINDS = ("nan", "bitflip", "spike")  # judged by the rerun state machine, mostly without a new generation
@@ -123,6 +126,14 @@ def _follow(tl: FaultTimeline, f: PlannedFault, events: list[dict[str, Any]], en
         if nxt is not None and nxt["event"] == "step_done":  # re-run in place (or skipped): no new generation
             tl.recovered, tl.steps_redone = nxt["time"], 0
             return
+    if f.kind in _REQUEUED_KINDS:
+        resumed = next((e for e in events if e["time"] >= tl.detected and e["event"] == "resumed_from_disk"), None)
+        if resumed is not None:
+            nxt = next((e for e in events if e["time"] >= resumed["time"] and e["event"] == "step_done"), None)
+            tl.recovered = nxt["time"] if nxt is not None else _first_time(
+                events, lambda e: e["event"] == "final_state_written", after=resumed["time"])
+            tl.steps_redone = max(0, (tl.step or 0) - int(resumed["step"]))
+        return
     # Recovered: training again in a later generation than the one the fault hit (in process, with a
     # replacement, or from disk alike), or the final state when the fault hit the very end.
     before = [e for e in events if e["event"] == "step_done" and e["time"] < t0]

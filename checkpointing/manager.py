@@ -406,7 +406,6 @@ class CheckpointManager:
 
     def _committed(self, h: SaveHandle, job: _Job) -> None:
         self._last_committed = h.step
-        h.move(SavePhase.COMMITTED)
         self._events.emit(
             "checkpoint_committed",
             step=h.step,
@@ -414,6 +413,7 @@ class CheckpointManager:
             seconds=round(time.monotonic() - job.started, 6),
             bytes=job.nbytes,
         )
+        h.move(SavePhase.COMMITTED)
 
     def _fail(self, h: SaveHandle, reason: str, *, disk_full: bool = False) -> None:
         if disk_full and self._disk_full is None:
@@ -421,8 +421,9 @@ class CheckpointManager:
             self._disk_full = DiskFullError(f"checkpoint step {h.step} under {self.root}: {reason}")
             self._notice(f"checkpoint step {h.step} failed: {reason}")
         h.disk_full = disk_full
-        h.move(SavePhase.FAILED, error=reason)
+        # The event first: a caller woken by the handle must find it in the log.
         self._events.emit("checkpoint_failed", step=h.step, rank=self.rank, reason=reason, disk_full=disk_full)
+        h.move(SavePhase.FAILED, error=reason)
 
     def _check_open(self) -> None:
         if self._state != ManagerState.OPEN:

@@ -34,6 +34,10 @@ def flatten_state(state: Any, *, prefix: str = "") -> tuple[dict[str, torch.Tens
 
     def walk(node: Any, path: str) -> Skeleton:
         if isinstance(node, torch.Tensor):
+            if _is_dtensor(node):
+                raise ValueError(
+                    f"checkpoint state at {path!r}: a DTensor (one rank's shard of a sharded tensor) cannot be "
+                    "written whole by one rank; gather it first (DCP get_state_dict with full_state_dict=True)")
             if node.is_sparse or node.layout != torch.strided:
                 raise ValueError(f"checkpoint state at {path!r}: only dense (strided) tensors are supported")
             if path in flat:
@@ -62,6 +66,14 @@ def flatten_state(state: Any, *, prefix: str = "") -> tuple[dict[str, torch.Tens
     skeleton = walk(state, prefix)
     check_skeleton(skeleton)  # what is written must read back: the same depth bound
     return flat, skeleton
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(t, DTensor)
 
 
 def check_skeleton(skeleton: Any, where: str = "tree") -> None:

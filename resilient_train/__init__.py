@@ -11,12 +11,16 @@ from resilient_train.rerun import RerunConfig
 from resilient_train.context import StepContext
 from resilient_train.errors import GenerationFailed, UsageError
 from resilient_train.heartbeat import heartbeat
+from resilient_train.mesh import MeshSpec
+from resilient_train.sharded import ShardedModule
 from resilient_train.supervisor import Supervisor, SupervisorConfig
 from resilient_train.train_state import Stateful, TrainState
 
 __all__ = [
     "GenerationFailed",
+    "MeshSpec",
     "RerunConfig",
+    "ShardedModule",
     "StepContext",
     "Stateful",
     "Supervisor",

@@ -295,9 +295,11 @@ class Agent:
 
     def _rehost_store(self) -> None:
         """The next attempt's store, on the same port (the old server is closed first)."""
-        self.store = self._server = None  # type: ignore[assignment]
+        # Every reference to the old server goes first, or the port is still taken.
+        self.store = self._server = self._nodes = None  # type: ignore[assignment]
         gc.collect()
         self.store = self._host_store(self.port)
+        self._nodes = NodeWatch(self.store, self.config.node_rank, self.config.nnodes, self.config.node_timeout_s)
 
     # ---------------------------------------------------------------- spawn
     def _worker_env(self, rank: int, generation: int, replacement: bool, output: WorkerOutput) -> dict[str, str]:
@@ -319,7 +321,7 @@ class Agent:
             E.RT_ROLE: "replacement" if replacement else "initial", E.RT_CHAOS: c.chaos,
             E.RT_JOB_TOKEN: self._token,
         })
-        if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in c.env and c.nproc_per_node > 1:
+        if self._omp_default:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's default (announced once at start)
         if c.virtual_local_rank:
             env[E.LOCAL_RANK] = "0"
@@ -541,13 +543,19 @@ class Agent:
                 self._say(f"node {node} lost (no beat for {c.node_timeout_s:g} s) and no spare node: its ranks' "
                           "peers wait for it to come back (their join timeout), then the job stops")
 
+    @property
+    def _omp_default(self) -> bool:
+        """torchrun's rule: OMP_NUM_THREADS=1 for several workers, unless the user set it."""
+        c = self.config
+        return c.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in c.env
+
     def _say(self, line: str) -> None:
         self.console.write(f"resilient-train: {line}\n".encode())
 
     def _announce(self) -> None:
         """What a torchrun user should know before the job starts, once."""
         c = self.config
-        if c.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in c.env:
+        if self._omp_default:
             self._say("OMP_NUM_THREADS is set to 1 for each worker, as torchrun does (set it to tune)")
         if c.monitor.hang.enabled and not self.entry.mentions_runtime():
             self._say(f"hang detection is off for {Path(self.entry.target).name}: its ranks report no progress "
@@ -558,6 +566,8 @@ class Agent:
 
         def handler(signum: int, frame: object) -> None:
             self._signal = signum
+            if signum == signal.SIGINT:
+                self.console.interrupt()  # Ctrl-C reached the ranks too: no traceback per rank
 
         for name in self.config.signals:
             signum = getattr(signal, name)

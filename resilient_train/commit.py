@@ -19,8 +19,9 @@ fault before the commit.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,7 @@ class CommitGate:
         self.committed = False
         self.stop_agreed = False  # some rank asked every rank to stop after this step (it rode with the vote)
         self._fallback_used = False
+        self._suspended = False
 
     def begin_step(self) -> None:
         self.committed = False
@@ -76,8 +78,21 @@ class CommitGate:
             r.reset()
 
     def pre_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if self._suspended:
+            return
+        if not any(r.reduced for r in self.reducers):
+            self.commit()  # no reduction carried the vote (FSDP, TP): it goes out now, before the optimizer phase
         self._on_optimizer()
         self.commit()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The optimizer steps outside training (DCP creating an empty optimizer's state): no vote, no commit."""
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
 
     def commit(self) -> None:
         """Returns when the step may be applied; raises otherwise. Idempotent within a step."""

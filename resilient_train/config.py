@@ -26,6 +26,8 @@ class SupervisorConfig:
     # Deterministic algorithms and one intra-op thread: bitwise verdicts (the chaos runner, the demo, the tests).
     reproducible: bool = field(default_factory=lambda: os.environ.get(envvars.RT_REPRODUCIBLE) == "1")
     snapshot_every: int | None = None  # a host snapshot every k steps (off: live replicas are the redundancy)
+    # sup.sharded: a shard no other rank holds (pure FSDP or TP) is copied to a buddy every k steps
+    buddy_every: int = 1
     chunk_mb: float = DEFAULT_CHUNK_MB  # the gradient reduction's chunk size (fixed for the run)
     write_final: bool = True
     checkpoint: CheckpointConfig | None = None  # disk checkpoints (see resilient_train.disk)
@@ -43,6 +45,8 @@ class SupervisorConfig:
             raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1 or None, got {self.snapshot_every}")
+        if self.buddy_every < 1:
+            raise ValueError(f"buddy_every must be >= 1, got {self.buddy_every}")
         if self.max_failed_generations < 1:
             raise ValueError(f"max_failed_generations must be >= 1, got {self.max_failed_generations}")
         if not self.chunk_mb > 0:

@@ -32,7 +32,10 @@ def finish_run(
     moved: threading.Event,
     timeout: float,
     write_final: Callable[[], None] | None,
+    gather: Callable[[], None] | None = None,
 ) -> None:
+    """``gather`` runs on every rank once all are done (a collective: the sharded state to rank 0), before
+    rank 0 writes."""
     store.add(Keys.done(generation), 1)
 
     def wait_or_fail(predicate: Callable[[], bool], what: str) -> None:
@@ -44,6 +47,8 @@ def finish_run(
         raise GenerationFailed(f"generation {generation} was declared failed")
 
     wait_or_fail(lambda: store.add(Keys.done(generation), 0) >= world_size, "every rank to finish")
+    if gather is not None:
+        gather()
     if rank == 0:
         if write_final is not None:
             write_final()
@@ -61,13 +66,17 @@ def published_local_states(store: dist.Store, *, world_size: int, step: int) -> 
     return {r: slots.read_decoded(r, step) for r in range(world_size)}
 
 
-def write_final(store: dist.Store, state: TrainState, run_dir: Path, *, steps: int, world_size: int) -> Path:
-    """Rank 0: the whole job's state at its last step (every rank's local state from the store) to RUN_DIR/final."""
+def write_final(store: dist.Store, state: TrainState, run_dir: Path, *, steps: int, world_size: int,
+                replicated: dict[str, Any] | None = None) -> Path:
+    """Rank 0: the whole job's state at its last step (every rank's local state from the store) to RUN_DIR/final.
+
+    ``replicated``: the model and optimizer gathered as full tensors (a sharded state)."""
     from checkpointing import write_state
 
     locals_ = published_local_states(store, world_size=world_size, step=steps)
     for local in locals_.values():
         local.pop("rerun", None)  # the run's memory of faults, not training state
     path = run_dir / "final"
-    write_state(path, state.state_dict(local_states=locals_), step=steps, extras={"world_size": world_size})
+    write_state(path, state.state_dict(local_states=locals_, replicated=replicated), step=steps,
+                extras={"world_size": world_size})
     return path

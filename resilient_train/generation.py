@@ -64,6 +64,10 @@ class Membership:
     replacement: bool
     fresh: bool = False  # a rank of a brand-new run (nothing to restore)
     new_process: bool = False  # this process has not been part of a generation yet (a replacement just started)
+    # Ranks of one replica class hold the same shards (every rank, for data parallelism; resilient_train.mesh).
+    replica_class: int = 0
+    own_steps: list[int] = field(default_factory=list)  # host copies of its own shard (buddy refreshes)
+    buddy_steps: dict[str, list[int]] = field(default_factory=dict)  # owner rank -> verified copies it holds
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -72,60 +76,110 @@ class Membership:
     def from_json(cls, data: bytes | str) -> "Membership":
         return cls(**json.loads(data))
 
+    def own(self) -> set[int]:
+        """Boundaries this rank can restore by itself, without a peer."""
+        steps = set(self.own_steps)
+        if self.snapshot_step is not None:
+            steps.add(self.snapshot_step)
+        return steps
+
 
 @dataclass(frozen=True, kw_only=True)
 class ResumePlan:
     generation: int
     source: ResumeSource
     step: int | None  # the step every rank resumes from (None: from disk, newest valid)
-    # target rank -> the rank it copies the replicated state from (ranks not listed keep their own)
+    # target rank -> the rank it copies its state from, a live holder of the same shards (others keep their own)
     heal_from: dict[int, int] = field(default_factory=dict)
-    from_snapshot: list[int] = field(default_factory=list)  # ranks that restore their own host snapshot
+    from_snapshot: list[int] = field(default_factory=list)  # ranks that restore their own host copy
+    # target rank -> the rank holding the target's buddy copy of ``step`` (a shard with no live replica)
+    buddy_from: dict[int, int] = field(default_factory=dict)
     # Ranks whose process joined for the first time in this generation, replacing a lost one.
     replacements: list[int] = field(default_factory=list)
 
     @property
     def healed(self) -> list[int]:
-        return sorted(self.heal_from)
+        return sorted({*self.heal_from, *self.buddy_from})
 
     def to_json(self) -> str:
         """What every rank reads: O(ranks that heal), not O(world) (the memberships stay with the planner)."""
         return json.dumps({"generation": self.generation, "source": self.source.value, "step": self.step,
                            "heal_from": sorted(self.heal_from.items()), "from_snapshot": self.from_snapshot,
-                           "replacements": self.replacements})
+                           "buddy_from": sorted(self.buddy_from.items()), "replacements": self.replacements})
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "ResumePlan":
         d = json.loads(data)
         return cls(generation=int(d["generation"]), source=ResumeSource(d["source"]), step=d["step"],
                    heal_from={int(t): int(f) for t, f in d["heal_from"]}, from_snapshot=list(d["from_snapshot"]),
-                   replacements=list(d["replacements"]))
+                   buddy_from={int(t): int(h) for t, h in d["buddy_from"]}, replacements=list(d["replacements"]))
 
 
 def _replacements(members: dict[int, Membership]) -> list[int]:
     return sorted(r for r, m in members.items() if m.replacement and m.new_process)
 
 
+def _classes(members: dict[int, Membership]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r, m in sorted(members.items()):
+        out.setdefault(m.replica_class, []).append(r)
+    return out
+
+
+def _buddy_holder(members: dict[int, Membership], owner: int, step: int) -> int | None:
+    holders = sorted(r for r, m in members.items() if r != owner and step in m.buddy_steps.get(str(owner), []))
+    return holders[0] if holders else None
+
+
+def _covered(members: dict[int, Membership], ranks: list[int], step: int) -> bool:
+    """A replica class can be rebuilt at ``step``: a member holds it (live or its own copy), or a buddy each."""
+    if any(members[r].live_step == step or step in members[r].own() for r in ranks):
+        return True
+    return all(_buddy_holder(members, r, step) is not None for r in ranks)
+
+
 def plan_resume(generation: int, members: dict[int, Membership]) -> ResumePlan:
-    """The same pure function on every rank: the newest step that can be rebuilt everywhere."""
+    """The same pure function on every rank: the newest step that can be rebuilt everywhere.
+
+    Every replica class (ranks holding the same shards) must be rebuildable at
+    that step, and every rank's local state of it must be in the store. Within
+    a class: ranks at the step keep their state, ranks with their own host copy
+    of it restore that, the others copy from a live member (spread over them);
+    a class with no member at the step is rebuilt from buddy copies.
+    """
     if all(m.fresh for m in members.values()):
         return ResumePlan(generation=generation, source=ResumeSource.START, step=None,
                           replacements=_replacements(members))
-    live = {s for m in members.values() for s in (m.live_step, m.snapshot_step) if s is not None}
-    candidates = [s for s in live if all(s in m.local_steps for m in members.values())]
+    classes = _classes(members)
+    steps = {s for m in members.values() for s in (m.live_step, *m.own()) if s is not None}
+    steps |= {s for m in members.values() for held in m.buddy_steps.values() for s in held}
+    candidates = [s for s in steps if all(s in m.local_steps for m in members.values())
+                  and all(_covered(members, ranks, s) for ranks in classes.values())]
     if not candidates:
         return ResumePlan(generation=generation, source=ResumeSource.DISK, step=None,
                           replacements=_replacements(members))
     step = max(candidates)
-    sources = sorted(r for r, m in members.items() if m.live_step == step)
-    from_snapshot = sorted(r for r, m in members.items() if m.live_step != step and m.snapshot_step == step)
-    if not sources:
-        sources = from_snapshot  # they restore their snapshot first, then serve it
-    targets = sorted(r for r in members if r not in sources and r not in from_snapshot)
-    # Spread the targets over the sources: each source sends to about the same number of ranks.
-    heal_from = {t: sources[i % len(sources)] for i, t in enumerate(targets)}
+    heal_from: dict[int, int] = {}
+    buddy_from: dict[int, int] = {}
+    from_snapshot: list[int] = []
+    for ranks in classes.values():
+        sources = [r for r in ranks if members[r].live_step == step]
+        restoring = [r for r in ranks if members[r].live_step != step and step in members[r].own()]
+        from_snapshot += restoring
+        if not sources:
+            sources = restoring  # they restore their own copy first, then serve it
+        targets = [r for r in ranks if r not in sources and r not in restoring]
+        for i, t in enumerate(targets):
+            if sources:
+                # Spread the targets over the sources: each source sends to about the same number of ranks.
+                heal_from[t] = sources[i % len(sources)]
+            else:
+                holder = _buddy_holder(members, t, step)
+                assert holder is not None, (t, step)
+                buddy_from[t] = holder
     return ResumePlan(generation=generation, source=ResumeSource.LIVE, step=step, heal_from=heal_from,
-                      from_snapshot=from_snapshot, replacements=_replacements(members))
+                      from_snapshot=sorted(from_snapshot), buddy_from=buddy_from,
+                      replacements=_replacements(members))
 
 
 def join_generation(

@@ -26,7 +26,9 @@ from torch.distributed import distributed_c10d as c10d
 
 from resilient_train.store import Keys
 
-__all__ = ["abort_nccl", "build_group", "destroy_group", "release_in_background"]
+__all__ = ["abort_nccl", "build_group", "destroy_group", "join_releases", "release_in_background"]
+
+_releases: list[threading.Thread] = []
 
 
 def _reset_counter() -> None:
@@ -74,7 +76,6 @@ def destroy_group(device: torch.device) -> dist.ProcessGroup | None:
     return group
 
 
-_releasing: list[threading.Thread] = []
 RELEASE_AT_EXIT_S = 5.0  # how long an exiting process waits for groups still being released
 
 
@@ -89,16 +90,25 @@ def release_in_background(box: list[dist.ProcessGroup]) -> None:
     def drop() -> None:
         box.clear()
 
-    t = threading.Thread(target=drop, name="rt-release-group", daemon=True)
-    t.start()
-    _releasing[:] = [r for r in _releasing if r.is_alive()] + [t]
+    thread = threading.Thread(target=drop, name="rt-release-group", daemon=True)
+    thread.start()
+    _releases[:] = [t for t in _releases if t.is_alive()] + [thread]
 
 
-@atexit.register
-def _wait_for_releases() -> None:
-    deadline = time.monotonic() + RELEASE_AT_EXIT_S
-    for t in _releasing:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
+def join_releases(timeout_s: float) -> None:
+    """Waits (at most ``timeout_s`` in all) for the groups being released to be gone.
+
+    The interpreter exiting while a group's destructor runs on its daemon thread
+    aborts the process ("terminate called without an active exception"): a run
+    that ends gives its releases a moment to finish first (and so does any
+    process at exit).
+    """
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_releases):
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(join_releases, RELEASE_AT_EXIT_S)
 
 
 def abort_nccl() -> None:

@@ -35,6 +35,7 @@ class LocalSlots:
     """The published local states of every rank, through one store."""
 
     SNAPSHOT = "snap"
+    SNAPSHOTS = ("snap", "snap1")  # two: buddy refreshes keep the newest two boundaries (resilient_train.buddy)
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
@@ -48,25 +49,27 @@ class LocalSlots:
         return f"rt/local/{rank}/{slot}"
 
     def publish(self, rank: int, step: int, payload: bytes, *, snapshot: bool = False) -> None:
-        slot = self.SNAPSHOT if snapshot else step % 2
+        slot: int | str = step % 2
+        if snapshot:
+            held = {s: self._step_in(rank, s) for s in self.SNAPSHOTS}
+            same = [s for s, h in held.items() if h == step]
+            empty = [s for s, h in held.items() if h is None]
+            slot = same[0] if same else empty[0] if empty else min(self.SNAPSHOTS, key=lambda s: held[s])  # type: ignore[arg-type, return-value]
         self._store.set(self.key(rank, slot), f"{step}\n".encode() + payload)
         self._known[(rank, slot)] = step
 
     def steps(self, rank: int) -> list[int]:
         """The steps whose local state ``rank`` has published (ring slots and snapshot)."""
         found = set()
-        for slot in (0, 1, self.SNAPSHOT):
-            if (rank, slot) not in self._known:
-                head = self._head(rank, slot)
-                self._known[(rank, slot)] = head[0] if head is not None else None
-            step = self._known[(rank, slot)]
+        for slot in (0, 1, *self.SNAPSHOTS):
+            step = self._step_in(rank, slot)
             if step is not None:
                 found.add(step)
         return sorted(found)
 
     def read(self, rank: int, step: int) -> bytes | None:
         """``rank``'s published local state of ``step``, or None."""
-        for slot in (step % 2, self.SNAPSHOT):
+        for slot in (step % 2, *self.SNAPSHOTS):
             head = self._head(rank, slot)
             if head is not None and head[0] == step:
                 return head[1]
@@ -77,6 +80,13 @@ class LocalSlots:
         if payload is None:
             raise RuntimeError(f"rank {rank} has not published its local state of step {step}")
         return decode_local(payload)
+
+    def _step_in(self, rank: int, slot: int | str) -> int | None:
+        """The step ``slot`` holds, from what this process knows (the store is asked once per slot)."""
+        if (rank, slot) not in self._known:
+            head = self._head(rank, slot)
+            self._known[(rank, slot)] = head[0] if head is not None else None
+        return self._known[(rank, slot)]
 
     def _head(self, rank: int, slot: int | str) -> tuple[int, bytes] | None:
         key = self.key(rank, slot)

@@ -52,6 +52,9 @@ class Part:
     def before_update(self) -> None:
         """The step is committed: the optimizer is about to change the state."""
 
+    def before_release(self) -> None:
+        """The generation's groups are about to be destroyed: drop every reference to them (a fault, or the end)."""
+
     def on_step_end(self, state: TrainState) -> None:
         """A step boundary: ``state.step`` steps are complete."""
 
@@ -96,6 +99,10 @@ class Parts:
     def on_step_end(self, state: TrainState) -> None:
         for p in self.parts:
             p.on_step_end(state)
+
+    def before_release(self) -> None:
+        for p in self.parts:
+            p.before_release()
 
     def close(self) -> list[tuple[str, str]]:
         """Closes every part, the last first; returns ``(part, error)`` for each that failed to close."""

@@ -30,7 +30,8 @@ _SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 @dataclass(frozen=True, kw_only=True)
 class PreemptionConfig:
-    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")  # each one asks for a stop at the next boundary
+    # Each one asks for a stop at the next boundary; SIGINT too: Ctrl-C stops the job cleanly, checkpointed.
+    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")
     grace_s: float = 60.0  # for the preemption checkpoint to commit
     on_grace_expiry: str = "exit"  # "exit": leave without it; "wait": keep waiting for the save
 

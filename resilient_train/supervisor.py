@@ -18,6 +18,7 @@ import gc
 import os
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -32,24 +33,27 @@ from monitors.stacks import install_stack_dump
 from resilient_train import env as envvars
 from resilient_train import exitcodes
 from resilient_train.config import SupervisorConfig
+from resilient_train.buddy import BuddyCopies
 from resilient_train.context import StepContext, StepFn
 from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_before_run
 from resilient_train.disk import DiskCheckpoints, default_checkpoint_config
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
 from resilient_train.finish import finish_run, write_final
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished
-from resilient_train.group import abort_nccl, build_group, destroy_group, release_in_background
+from resilient_train.group import abort_nccl, build_group, destroy_group, join_releases, release_in_background
 from resilient_train.heal import receive_state, send_state
 from resilient_train.judge import Judge, Stop
 from resilient_train.lifecycle import Lifecycle, SupervisorState
 from resilient_train.local_state import LocalSlots, encode_local
 from resilient_train.preempt import Preemption
+from resilient_train.mesh import MeshSpec, build_mesh, release_mesh
 from resilient_train.parts import ChaosPart, CuptiPart, DiskPart, Part, Parts, ProgressPart, SnapshotPart
 from resilient_train.reducer import GradientReducer
 from resilient_train.rendezvous import enter_generation, interrupt_for_stop, report_fault
 from resilient_train.rerun.driver import RerunHooks
 from resilient_train.rerun.part import RerunPart
 from resilient_train.rerun.save import save_for_stop, shared_table
+from resilient_train.sharded import Parallelize, ShardedModule
 from resilient_train.stepping import Stepper
 from resilient_train.store import Keys, connect_worker_store, read_stop, request_stop
 from resilient_train.train_state import TrainState
@@ -80,6 +84,12 @@ class Supervisor:
         self.generation = -1
         self.group: dist.ProcessGroup | None = None
         self._ddps: list[tuple[ReplicatedModule, GradientReducer | None]] = []
+        self._added: list[Part] = []  # add_part(): before the built-in parts, so they see a generation first
+        self._sharded: ShardedModule | None = None
+        self._mesh_spec: MeshSpec | None = None
+        self.mesh: Any = None  # the current generation's DeviceMesh (sup.sharded)
+        self.buddy: BuddyCopies | None = None
+        self._gathered: dict[str, Any] | None = None
         # On SIGUSR2 every thread's stack goes to RUN_DIR/.monitors/rank{r}.stacks: the agent asks before it
         # kills a hung rank.
         self._stacks_file = install_stack_dump(self.run_dir, self.env.rank) if self.run_dir else None
@@ -99,6 +109,32 @@ class Supervisor:
         self._ddps.append((wrapped, None))
         return wrapped
 
+    def add_part(self, part: Part) -> None:
+        """Plugs ``part`` (an integration, such as Megatron's parallel state) into the loop; call before ``run``."""
+        if not isinstance(part, Part):
+            raise UsageError(f"add_part takes a resilient_train.parts.Part, got {type(part).__name__}")
+        if hasattr(self, "parts"):
+            raise UsageError("add_part must be called before run()")
+        self._added.append(part)
+
+    def sharded(self, model: torch.nn.Module, parallelize: Parallelize, *, mesh: MeshSpec | None = None) -> ShardedModule:
+        """``model`` parallelised by ``parallelize(module, mesh)`` (``fully_shard``, ``parallelize_module``).
+
+        Pass the model before it is parallelised, with its initial values: every
+        generation the supervisor builds the mesh ``mesh`` describes on the new
+        process group, applies ``parallelize`` to a fresh copy and moves this
+        rank's shards into it (:mod:`resilient_train.sharded`). Call what this
+        returns, and give it to ``TrainState(model=...)``.
+        """
+        if self._sharded is not None:
+            raise UsageError("sup.sharded was called twice: one sharded model per job (parallelize all of it at once)")
+        if self._ddps:
+            raise UsageError("sup.sharded and sup.ddp in one job: parallelize the whole model in one function")
+        self._mesh_spec = mesh or MeshSpec()
+        self._mesh_spec.sizes(self.env.world_size)  # a mesh the world does not fill is refused now
+        self._sharded = ShardedModule(model, parallelize, phase=lambda name: self.stepper.auto_phase(name))
+        return self._sharded
+
     def run(self, step_fn: StepFn, state: TrainState, *, on_new_group: Callable[[], None] | None = None) -> TrainState:
         """Runs ``step_fn`` until ``state.step == config.steps``, through faults."""
         if dist.is_initialized():
@@ -107,6 +143,8 @@ class Supervisor:
             torch.set_num_threads(1)
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
+        if self._sharded is not None:
+            self._check_sharded(state)
         self.state = state
         self.ctx = StepContext(self)
         self._on_new_group = on_new_group
@@ -146,6 +184,7 @@ class Supervisor:
             self._release_group()
             if self.disk is not None and self.parts.of(DiskPart) is None:
                 self.disk.close()  # the preemption-only checkpoints
+            join_releases(_RELEASE_AT_EXIT_S)
             for part, error in self.parts.close():
                 self.events.emit("part_close_failed", rank=self.env.rank, part=part, error=error[:500])
                 print(f"resilient-train: rank {self.env.rank}: {part} did not close cleanly: {error.splitlines()[0]}",
@@ -164,7 +203,7 @@ class Supervisor:
     # ---------------------------------------------------------------- parts
     def _setup_parts(self, state: TrainState) -> None:
         c, rank = self.config, self.env.rank
-        parts: list[Part] = []
+        parts: list[Part] = list(self._added)
         chaos = ChaosPart(loads_faults(os.environ.get(envvars.RT_CHAOS, "")), rank=rank, store=self.store,
                           run_dir=self.run_dir, events=self.events, step=lambda: self.ctx.step)
         if chaos:  # before progress: a rank stopped "at" a phase has not entered it
@@ -179,7 +218,7 @@ class Supervisor:
                                      events=self.events, run_dir=self.run_dir) if c.checkpoint is not None else None)
         if self.disk is None and self.run_dir is not None and (self.run_dir / "checkpoints").is_dir():
             # Checkpoints without a checkpoint config: a preemption's (resilient_train.preempt), to resume from.
-            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0), rank=rank,
+            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0, mode="disabled"), rank=rank,
                                         world_size=self.env.world_size, store=self.store, events=self.events,
                                         run_dir=self.run_dir)
         if self.disk is not None:
@@ -196,6 +235,16 @@ class Supervisor:
                                    hooks=hooks, device_index=self.device.index if self.device.type == "cuda" else None)
             state.runtime["rerun"] = self.rerun.driver.stateful()  # in the published local state and checkpoints
             parts.append(self.rerun)
+        if self._sharded is not None and self._mesh_spec is not None:
+            spec, world = self._mesh_spec, self.env.world_size
+            classes = [spec.replica_class(r, world) for r in range(world)]
+            if world > 1 and any(classes.count(c) == 1 for c in classes):
+                # A shard nobody else holds: its buddy keeps a copy (resilient_train.buddy).
+                self.buddy = BuddyCopies(every=c.buddy_every, rank=rank, world_size=world,
+                                         payload=lambda: self.state.shard_state_dict(),
+                                         publish_local=self._publish_snapshot_local, device=self._comm_device,
+                                         events=self.events, corrupt_at=_corrupt_at())
+                parts.append(self.buddy)
         self.parts = Parts(parts)
         self.stepper = Stepper(state=state, ctx=self.ctx, parts=self.parts, rerun=self.rerun, slots=self.slots,
                                events=self.events, world_size=self.env.world_size, device=self.device,
@@ -212,9 +261,13 @@ class Supervisor:
 
         def me() -> Membership:
             snap = self.snapshot.snapshot.step if self.snapshot is not None else None
+            spec = self._mesh_spec
             return Membership(rank=self.env.rank, pid=os.getpid(), live_step=self.stepper.live, snapshot_step=snap,
                               local_steps=self.slots.steps(self.env.rank), replacement=self.env.replacement,
-                              fresh=self._fresh, new_process=self._new_process)
+                              fresh=self._fresh, new_process=self._new_process,
+                              replica_class=spec.replica_class(self.env.rank, self.env.world_size) if spec else 0,
+                              own_steps=self.buddy.own_steps() if self.buddy is not None else [],
+                              buddy_steps=self.buddy.offered() if self.buddy is not None else {})
 
         plan = enter_generation(self.store, world_size=self.env.world_size, me=me,
                                 timeout=self.config.join_timeout_s, stopped=self._raise_if_stopped)
@@ -223,6 +276,8 @@ class Supervisor:
         self._enter(Phase.RENDEZVOUS.value, plan.step if plan.step is not None else self.state.step)
         self.group = build_group(self.store, plan.generation, rank=self.env.rank, world_size=self.env.world_size,
                                  backend=self.backend, timeout_s=self.config.pg_timeout_s, device=self.device)
+        if self._mesh_spec is not None:
+            self.mesh = build_mesh(self._mesh_spec, world_size=self.env.world_size, device=self.device)
         self.parts.on_generation(plan.generation, self.store)
         self._plan = plan
         self._timings["rendezvous_s"] = time.monotonic() - t0
@@ -231,6 +286,9 @@ class Supervisor:
     def _restore(self) -> SupervisorState:
         plan, state = self._plan, self.state
         t0 = time.monotonic()
+        if self._sharded is not None:
+            # Before healing: the shards arrive into the new generation's module and optimizer.
+            self._sharded.rebuild(self.mesh, self.device, state.optimizer)
         if plan.source is ResumeSource.LIVE:
             self._heal(plan)
         else:
@@ -271,7 +329,7 @@ class Supervisor:
         if self.disk is None:
             if self.run_dir is None:
                 raise UsageError("preempted without a run directory to write the checkpoint to")
-            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0), rank=rank,
+            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0, mode="disabled"), rank=rank,
                                         world_size=self.env.world_size, store=self.store, events=self.events,
                                         run_dir=self.run_dir)
         if not any(isinstance(part, DiskPart) for part in self.parts.parts):
@@ -289,10 +347,12 @@ class Supervisor:
 
     def _finish(self) -> SupervisorState:
         self._enter("checkpoint", self.state.step)  # waiting for every rank, then for the final state
+        writes = self.config.write_final and self.run_dir is not None
         finish_run(
             self.store, generation=self.generation, rank=self.env.rank, world_size=self.env.world_size,
             moved=self._watcher.moved, timeout=self.config.join_timeout_s,
-            write_final=self._write_final if self.config.write_final and self.run_dir is not None else None,
+            write_final=self._write_final if writes else None,
+            gather=self._gather_sharded if writes and self._sharded is not None else None,
         )
         return _S.DONE
 
@@ -302,24 +362,38 @@ class Supervisor:
         assert step is not None
         self._enter(Phase.HEAL.value, step)
         if rank in plan.from_snapshot:
-            assert self.snapshot is not None
-            state.load_replicated(self.snapshot.snapshot.replicated())
+            if self.snapshot is not None and self.snapshot.snapshot.step == step:
+                state.load_replicated(self.snapshot.snapshot.replicated())
+            else:
+                assert self.buddy is not None
+                state.load_shard_state(self.buddy.own_copy(step).state())
+        # One order on every rank (by target), so a rank that both serves and receives never waits on a peer
+        # that waits on it. A buddy holder serves its host copy; a live source, what it holds.
+        transfers = sorted([(t, s, False) for t, s in plan.heal_from.items()] +
+                           [(t, h, True) for t, h in plan.buddy_from.items()])
         sent = received = 0
-        for target, source in sorted(plan.heal_from.items()):
+        source_of: int | None = None
+        for target, source, from_buddy in transfers:
             if source == rank:
-                sent += send_state(state.replicated_state_dict(), target, device=self._comm_device)
-        if rank in plan.heal_from:
-            self.stepper.live = None  # torn until the whole state arrived
-            healed, received = receive_state(plan.heal_from[rank], device=self._comm_device)
-            state.load_replicated(healed)
+                assert not from_buddy or self.buddy is not None
+                payload = self.buddy.copy_of(target, step).state() if from_buddy else state.shard_state_dict()  # type: ignore[union-attr]
+                sent += send_state(payload, target, device=self._comm_device)
+            elif target == rank:
+                self.stepper.live = None  # torn until the whole state arrived
+                healed, received = receive_state(source, device=self._comm_device)
+                state.load_shard_state(healed)
+                source_of = source
         state.load_local(self.slots.read_decoded(rank, step))
         if self.rerun is not None and self.env.replacement:
             self.rerun.adopt_newest_record(self.store)
         assert state.step == step, (state.step, step)
+        if self.buddy is not None:
+            self.buddy.resumed(step)
         self.stepper.restored(step)
-        if sent or received:
+        if sent or received or rank in plan.from_snapshot:
             self.events.emit("healed", rank=rank, step=step, generation=plan.generation, bytes_sent=sent,
-                             bytes_received=received, from_rank=plan.heal_from.get(rank))
+                             bytes_received=received, from_rank=source_of,
+                             from_buddy=rank in plan.buddy_from, from_own_copy=rank in plan.from_snapshot)
 
     def _load_from_disk(self, plan: ResumePlan) -> None:
         state = self.state
@@ -350,6 +424,14 @@ class Supervisor:
         self.stepper.reset_reducers()
         for wrapped, _ in self._ddps:
             wrapped.drop()
+        if hasattr(self, "parts"):
+            # After the reducers forgot their work: a pending error's frames hold the step's autograd graph,
+            # whose Megatron functions hold their groups.
+            self.parts.before_release()
+        if self._sharded is not None:
+            self._sharded.drop()
+        release_mesh(self.mesh)
+        self.mesh = None
         self.group = None
         box = [g] if (g := destroy_group(self.device)) is not None else []
         del g
@@ -382,6 +464,9 @@ class Supervisor:
             self._stopped = exc if isinstance(exc, JobStopped) else JobStopped(stop["summary"], int(stop["exit_code"]))
             return _S.FAILED
         verdict = self.judge.failure(exc, step=self.ctx.step, generation_moved=self._watcher.moved.is_set())
+        # The exception may live on (a reduction's future keeps it): its frames' locals (the step's loss, and
+        # through its autograd graph every group a Megatron function saved) must not.
+        traceback.clear_frames(exc.__traceback__)
         if isinstance(verdict, Stop):
             return self._stop_job(verdict)
         # Only text: the exception's frames hold tensors and the failed group's work, which must be freed.
@@ -424,6 +509,10 @@ class Supervisor:
                          phase=self.ctx.phase.value, kind=kind, error=message[:300],
                          failure=failure.kind.value, first_reporter=first, cause=cause)
         t0 = time.monotonic()
+        if g >= 0 and not self._watcher.wait_handled(self.config.pg_timeout_s):
+            # The generation moved (declared above) but the watcher has not finished acting on it: its NCCL
+            # abort would race the release below (expected only when the store stops answering).
+            self.events.emit("watcher_late", rank=self.env.rank, generation=g, waited_s=self.config.pg_timeout_s)
         self._release_group()
         self.stepper.discard_gradients()
         if self.stepper.live is not None:
@@ -484,18 +573,63 @@ class Supervisor:
                              generation=self.generation, run_dir=self.run_dir,
                              timeout_s=self.config.rerun.stop_timeout_s)
 
+    def _publish_snapshot_local(self, step: int) -> None:
+        sd = self.state.local_state_dict()
+        sd["step"] = step
+        self.slots.publish(self.env.rank, step, encode_local(sd), snapshot=True)
+
+    def _check_sharded(self, state: TrainState) -> None:
+        c = self.config
+        if state.model is not self._sharded:
+            raise UsageError("TrainState(model=...) must be the module sup.sharded returned")
+        if c.snapshot_every is not None:
+            raise UsageError("snapshot_every with sup.sharded: sharded state is covered by replicas and buddy "
+                             "copies (SupervisorConfig.buddy_every)")
+        if c.rerun.enabled:
+            raise UsageError("the rerun machine does not support sup.sharded yet")
+        if c.checkpoint is not None:
+            raise UsageError("disk checkpoints of sup.sharded state are not supported yet: each rank's shards "
+                             "would need DCP's sharded metadata (final/ is written, gathered)")
+
+    def _gather_sharded(self) -> None:
+        """Every rank: the sharded model and optimizer as full tensors, on rank 0 (DCP's state_dict API)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        assert self._sharded is not None
+        state = self.state
+        with self.stepper.gate.suspended():  # DCP may step an optimizer with no state yet, to create it
+            model_sd, optim_sd = get_state_dict(self._sharded.module, state.optimizer or [],
+                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        gathered: dict[str, Any] = {"model": model_sd}
+        if state.optimizer is not None:
+            gathered["optimizer"] = optim_sd
+        if state.replicated:
+            gathered["replicated"] = {name: obj.state_dict() for name, obj in state.replicated.items()}
+        self._gathered = gathered if self.env.rank == 0 else None
+
     def _write_final(self) -> None:
         assert self.run_dir is not None
         path = write_final(self.store, self.state, self.run_dir, steps=self.config.steps,
-                           world_size=self.env.world_size)
+                           world_size=self.env.world_size,
+                           replicated=self._gathered if self._sharded is not None else None)
         self.events.emit("final_state_written", path=str(path), step=self.config.steps)
 
 
+_RELEASE_AT_EXIT_S = 5.0  # a group still stuck in a collective after this is left to the process's exit
 _STEP_PHASES = frozenset(p.value for p in Phase if p not in RECOVERY_PHASES)
 
 
 def _exit(code: int) -> Any:
     raise SystemExit(code)
+
+
+def _corrupt_at() -> tuple[int, int] | None:
+    """Tests: ``RT_TEST_CORRUPT_BUDDY=RANK@STEP`` flips a bit of the buddy copy RANK receives at STEP."""
+    spec = os.environ.get(envvars.RT_TEST_CORRUPT_BUDDY, "")
+    if not spec:
+        return None
+    rank, step = spec.split("@")
+    return int(rank), int(step)
 
 
 def _since_spawn() -> float | None:

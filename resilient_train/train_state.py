@@ -163,6 +163,28 @@ class TrainState:
         for name, obj in self.replicated.items():
             obj.load_state_dict(sd["replicated"][name])
 
+    def shard_state_dict(self) -> dict[str, Any]:
+        """What this rank holds of the replicated and sharded state, as plain tensors (its DTensors' local
+        shards, :mod:`resilient_train.shard_state`): what heals and what a buddy keeps. The same as
+        :meth:`replicated_state_dict` for a model without DTensors."""
+        from resilient_train.shard_state import to_local
+
+        return to_local(self.replicated_state_dict())
+
+    def load_shard_state(self, sd: dict[str, Any]) -> None:
+        """Loads what :meth:`shard_state_dict` returned on a rank of the same replica class."""
+        from resilient_train.shard_state import has_dtensor, load_local_into, load_optimizer_local
+
+        live = self.model.state_dict()
+        if not has_dtensor(live):
+            self.load_replicated(sd)
+            return
+        load_local_into(live, sd["model"], what="model")
+        if self.optimizer is not None:
+            load_optimizer_local(self.optimizer, sd["optimizer"])
+        for name, obj in self.replicated.items():
+            obj.load_state_dict(sd["replicated"][name])
+
     def local_state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"step": self.step, "rng": capture_rng(self.rng_use)}
         if self.extra is not None:
@@ -180,8 +202,11 @@ class TrainState:
             if name in sd:
                 obj.load_state_dict(sd[name])
 
-    def state_dict(self, *, local_states: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    def state_dict(self, *, local_states: dict[int, dict[str, Any]],
+                   replicated: dict[str, Any] | None = None) -> dict[str, Any]:
         """The whole job's state: replicated once, each rank's local state by rank.
+
+        ``replicated`` replaces :meth:`replicated_state_dict` (a sharded state, gathered).
 
         An RNG the script never used is written as ``"unused"``: its value is
         whatever the process started with, not part of the run.
@@ -197,7 +222,7 @@ class TrainState:
                         rng[name] = "unused"
             s["rng"] = rng
             ranks[str(r)] = s
-        return {**self.replicated_state_dict(), "ranks": ranks}
+        return {**(self.replicated_state_dict() if replicated is None else replicated), "ranks": ranks}
 
 
 def as_float(x: Any) -> float | None:

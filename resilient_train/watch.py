@@ -40,6 +40,7 @@ class GenerationWatcher:
     ) -> None:
         self.generation = -1
         self.moved = threading.Event()
+        self.handled = threading.Event()  # on_moved returned (the abort is over): the groups may be released
         self._rank = rank
         self._main = store  # close() wakes the thread through it
         self._store = store.clone()  # its own connection: its wait blocks it
@@ -56,7 +57,16 @@ class GenerationWatcher:
         """Starts watching a newly joined generation."""
         self.generation = generation
         self.moved.clear()
+        self.handled.clear()
         self._armed.set()
+
+    def wait_handled(self, timeout: float) -> bool:
+        """Waits until the watcher has acted on the move of the watched generation (its NCCL abort is over).
+
+        The main thread releases the groups only then: an abort still iterating
+        over them on this thread would otherwise race their destruction.
+        """
+        return self.handled.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:
@@ -96,4 +106,7 @@ class GenerationWatcher:
             if g != self.generation:
                 continue  # the main thread joined a newer generation meanwhile: watch that one
             self.moved.set()
-            self._on_moved()
+            try:
+                self._on_moved()
+            finally:
+                self.handled.set()

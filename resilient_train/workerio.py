@@ -34,6 +34,7 @@ __all__ = ["Console", "OutputConfig", "Std", "WorkerOutput", "parse_std_streams"
 _RANK_PREFIX = re.compile(rb"^\[rank\d+\]:\s?")  # torch's excepthook prefixes each line once a group exists
 _TRACEBACK = b"Traceback (most recent call last):"
 DRAIN_S = 2.0  # how long a dead worker's last output may take to arrive
+INTERRUPT_WAIT_S = 0.5  # how long a KeyboardInterrupt's traceback waits to learn whether Ctrl-C caused it
 
 
 class Std(IntFlag):
@@ -103,6 +104,11 @@ class Console:
                          Std.ERR: err if err is not None else sys.stderr.buffer}
         self._lock = threading.Lock()
         self._shown: dict[tuple[bytes, ...], tuple[int, int]] = {}  # traceback -> (rank, attempt) that showed it
+        self._interrupted = threading.Event()  # the agent got SIGINT: a KeyboardInterrupt's traceback is one line
+
+    def interrupt(self) -> None:
+        """The agent received SIGINT (Ctrl-C): the ranks' KeyboardInterrupt tracebacks become one line each."""
+        self._interrupted.set()
 
     def write(self, data: bytes, std: Std = Std.ERR) -> None:
         with self._lock:
@@ -113,7 +119,14 @@ class Console:
         """Shows a traceback on stderr, or one line if it was shown before (by another rank or attempt)."""
         key = tuple(_RANK_PREFIX.sub(b"", line).rstrip() for line in block)
         err = self._streams[Std.ERR]
+        # Ctrl-C reaches the ranks and the agent at once: a rank's traceback may come before the agent's
+        # handler has run, so a KeyboardInterrupt's waits a moment for it.
+        interrupted = key[-1].startswith(b"KeyboardInterrupt") and self._interrupted.wait(INTERRUPT_WAIT_S)
         with self._lock:
+            if interrupted:
+                err.write(prefix + f"[rank{rank}]: interrupted (KeyboardInterrupt)\n".encode())
+                err.flush()
+                return
             first = self._shown.setdefault(key, (rank, attempt))
             if first == (rank, attempt):
                 err.write(b"".join(prefix + line for line in block))

@@ -21,6 +21,15 @@ SMALL_GPT = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "1
 OMP_NOTICE = "resilient-train: OMP_NUM_THREADS is set to 1 for each worker"  # torchrun's notice, at every start
 
 
+def free_port() -> int:
+    """A port free on loopback right now (for a test that gives --master-port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def console_lines(stderr: str) -> list[str]:
     """The non-empty lines of a job's stderr, without the agent's start-up notice."""
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith(OMP_NOTICE)]

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs import REPO, Job, cli
+from jobs import REPO, Job, cli, free_port
 
 HERE = Path(__file__).resolve().parent / "dropin"
 NANOGPT = HERE / "nanogpt_like.py"
@@ -34,12 +33,6 @@ def _out(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _monitor_config(tmp_path: Path, hang: dict) -> str:
@@ -161,7 +154,7 @@ def test_no_restart_by_default_as_torchrun(tmp_path):
 @pytest.mark.timeout(120)
 def test_master_port_is_kept_across_restarts(tmp_path):
     out = _out(tmp_path)
-    port = _free_port()
+    port = free_port()
     job = _run(tmp_path, "--nproc-per-node", "2", "--master-port", str(port), "--max-restarts", "1",
                str(LOOP), str(out), "2", env={"KILL_RANK": "0"})
     assert job.returncode == 0, job.stderr[-3000:]
@@ -196,7 +189,7 @@ def test_log_dir_tee_and_ranks_filter(tmp_path):
     out = _out(tmp_path)
     logs = tmp_path / "logs"
     job = _run(tmp_path, "--nproc-per-node", "2", "--log-dir", str(logs), "--tee", "3", "--local-ranks-filter", "0",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "job42",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "job42",
                str(NANOGPT), str(out))
     assert job.returncode == 0, job.stderr[-3000:]
     assert (logs / "attempt_0" / "0" / "stdout.log").read_text().startswith("done at iteration 30")

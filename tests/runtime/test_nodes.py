@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs import GPT, REPO, SMALL_GPT, Job, ckpt_diff
+from jobs import GPT, REPO, SMALL_GPT, Job, ckpt_diff, free_port
 
 STEPS = 24
 NPROC = 2  # per node
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
@@ -31,7 +24,7 @@ class Cluster:
     def __init__(self, run_dir: Path, *, nnodes: int, steps: int = STEPS, chaos: list[dict] | None = None,
                  node_timeout: float = 2.0) -> None:
         self.run_dir, self.nnodes, self.steps = run_dir, nnodes, steps
-        self.port = _free_port()
+        self.port = free_port()
         self.chaos = chaos
         self.node_timeout = node_timeout
         self.agents: dict[str, subprocess.Popen] = {}
@@ -105,6 +98,7 @@ def test_two_nodes_a_killed_rank_is_replaced_by_its_node_and_the_run_is_bitwise(
     assert d.returncode == 0, d.stdout + d.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_lost_node_is_taken_over_by_the_spare_and_the_run_is_bitwise(cluster_factory, references):
     c = cluster_factory(nnodes=2, steps=40)
@@ -140,6 +134,7 @@ def test_losing_node_0_takes_the_store_and_the_others_stop_saying_so(cluster_fac
     assert "lost the store on 127.0.0.1" in job.stderr and "node 0's agent is gone" in job.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigterm_to_one_agent_preempts_every_node_and_the_rerun_is_bitwise(cluster_factory, references):
     c = cluster_factory(nnodes=2, steps=40)

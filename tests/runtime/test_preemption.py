@@ -14,7 +14,8 @@ REQUEUE = 75
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("target, sig", [("agent", signal.SIGTERM), ("rank1", signal.SIGUSR1)])
+@pytest.mark.parametrize("target, sig", [("agent", signal.SIGTERM),
+                                         pytest.param("rank1", signal.SIGUSR1, marks=pytest.mark.slow)])
 def test_preempted_job_checkpoints_exits_requeue_and_resumes_bitwise(tmp_path, references, target, sig):
     run_dir = tmp_path / "run"
     proc = start_gpt(run_dir, nproc=2, steps=STEPS)
