@@ -121,6 +121,33 @@ def test_a_lost_node_is_taken_over_by_the_spare_and_the_run_is_bitwise(cluster_f
     assert d.returncode == 0, d.stdout + d.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_lost_node_without_a_spare_comes_back_and_the_run_is_bitwise(cluster_factory, references):
+    """No spare: the other node's ranks wait; the scheduler starts the node's agent again, whose fresh ranks
+    heal from the live replicas (incarnation 2), world size kept, nothing redone from disk."""
+    c = cluster_factory(nnodes=2, steps=40)
+    c.start("node0", node_rank=0)
+    c.start("node1", node_rank=1)
+    c.wait_event(lambda e: e["event"] == "step_done" and e["step"] >= 6)
+    os.killpg(c.agents["node1"].pid, signal.SIGKILL)
+    c.agents["node1"].wait()
+    del c.agents["node1"]  # wait_event asserts the others are alive
+    lost = c.wait_event(lambda e: e["event"] == "node_lost")
+    assert (lost["node"], lost["spare"]) == (1, None)
+    c.start("node1-again", node_rank=1)
+    for name in ("node0", "node1-again"):
+        job = c.wait(name, timeout=200)
+        assert job.returncode == 0, f"{name}: {job.stderr[-3000:]}"
+    started = [(e["source"], e["incarnation"], e["returning"]) for e in c.events() if e["event"] == "node_started"
+               and e["node"] == 1]
+    assert started == [("agent1", 1, False), ("agent1", 2, True)], started
+    healed = [e for e in c.events() if e["event"] == "recovery_done" and e.get("healed")]
+    assert healed and all(sorted(e["healed"]) == [2, 3] and e["resume_from"] == "live" for e in healed), healed
+    d = ckpt_diff(references.get(4, 40), c.run_dir / "final")
+    assert d.returncode == 0, d.stdout + d.stderr
+
+
 @pytest.mark.timeout(200)
 def test_losing_node_0_takes_the_store_and_the_others_stop_saying_so(cluster_factory):
     c = cluster_factory(nnodes=2, steps=400)
