@@ -24,6 +24,7 @@ from typing import Any, Iterable
 from monitors.configfile import check_fields, kind, load_config_file, require_bool, require_int, require_str
 from monitors.events import EventLog
 from monitors.hang import Hang, HangConfig, HangDetector, ranks_to_kill
+from monitors.jobwide import JobWideBest
 from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
 from monitors.persist import write_json_atomic
 from monitors.straggler import StragglerConfig, StragglerDetector, StragglerReport
@@ -115,13 +116,14 @@ class NodeMonitor:
         *,
         events: EventLog | None = None,
         sinks: list[MetricsSink] | None = None,
+        peers: JobWideBest | None = None,
     ) -> None:
         ranks = list(ranks)
         self.config = config
         self.run_dir = Path(run_dir)
         self.events = events if events is not None else EventLog(self.run_dir / "events.jsonl", source="monitor")
         self.hangs = HangDetector(config.hang, run_dir, ranks)
-        self.stragglers = StragglerDetector(config.straggler, run_dir, ranks)
+        self.stragglers = StragglerDetector(config.straggler, run_dir, ranks, peers=peers)
         self.sinks: list[MetricsSink] = list(sinks or [])
         self._prometheus: PrometheusSink | None = None
         m = config.metrics
@@ -172,6 +174,8 @@ class NodeMonitor:
             self.events.emit(
                 "straggler_report", interval=report.interval, enabled=report.enabled,
                 threshold=report.threshold, control_read_at=report.control_read_at,
+                job_best_s=None if report.job_best_s is None else round(report.job_best_s, 6),
+                job_nodes=report.job_nodes,
                 scores={str(r): {"relative": round(s.relative, 4), "individual": round(s.individual, 4),
                                  "step_s": round(s.step_s, 6), "work_s": round(s.work_s, 6),
                                  "steps": s.steps, "last_step": s.last_step, "clock": s.clock,

@@ -6,7 +6,8 @@ by default data + forward + backward + optimizer, so time spent waiting for
 peers in a collective does not count), timed on the device with CUDA events
 on a GPU rank and by the wall clock otherwise (``monitors.device_timing``):
 
-- relative score = the best rank's median / this rank's median;
+- relative score = the best rank's median / this rank's median (the best of
+  the whole job when the agents of many nodes share theirs: ``monitors.jobwide``);
 - individual score = this rank's best interval median so far / its current one.
 
 A rank is flagged when a score named in ``scores`` stays below ``threshold``
@@ -25,6 +26,7 @@ from typing import Iterable
 
 from monitors.configfile import require_bool, require_int, require_number, require_strs
 from monitors.control import read_control
+from monitors.jobwide import JobWideBest
 from monitors.progress import ProgressReader
 from monitors.sections import COMPUTE_SECTIONS, SECTIONS
 
@@ -92,14 +94,18 @@ class StragglerReport:
     threshold: float
     scores: dict[int, RankScore]
     flagged: list[StragglerDecision]
+    job_best_s: float | None = None  # the fastest median the relative scores were taken against (every node's)
+    job_nodes: int = 1  # nodes that took part in it
 
 
 class StragglerDetector:
     """Polled by the node agent; reads the ranks' progress slots, never blocks."""
 
-    def __init__(self, config: StragglerConfig, run_dir: str | os.PathLike[str], ranks: Iterable[int]) -> None:
+    def __init__(self, config: StragglerConfig, run_dir: str | os.PathLike[str], ranks: Iterable[int], *,
+                 peers: JobWideBest | None = None) -> None:
         self.config = config
         self.run_dir = run_dir
+        self.peers = peers  # many nodes: relative scores against the whole job's fastest rank (monitors.jobwide)
         self._readers = {r: ProgressReader(run_dir, r) for r in ranks}
         self._cursor: dict[int, tuple[tuple[int, int, int], int]] = {}
         self._best: dict[int, float] = {}
@@ -150,6 +156,11 @@ class StragglerDetector:
                 work = [sum(r.timed_sections_s[s] for s in self.config.sections) for r in records]
                 medians[rank] = (records, statistics.median(work))
         best = min((m for _, m in medians.values()), default=0.0)
+        compared, job_nodes = len(medians), 1
+        if self.peers is not None:
+            job = self.peers.exchange(best if medians else None, len(medians))
+            if job is not None and job.best_s is not None:
+                best, compared, job_nodes = min(best, job.best_s) if medians else job.best_s, job.ranks, job.nodes
         scores: dict[int, RankScore] = {}
         flagged: list[StragglerDecision] = []
         for rank, (records, work_s) in sorted(medians.items()):
@@ -158,7 +169,7 @@ class StragglerDetector:
             individual = _ratio(self._best[rank], work_s)
             values = {"relative": relative, "individual": individual}
             # A rank scored alone has no one to be compared with: its relative score says nothing.
-            judged = [s for s in self.config.scores if s != "relative" or len(medians) >= 2]
+            judged = [s for s in self.config.scores if s != "relative" or compared >= 2]
             rose = any(values[s] < threshold for s in judged)
             if rose:
                 self._below[rank] = self._below.get(rank, 0) + 1
@@ -178,7 +189,8 @@ class StragglerDetector:
                     intervals_below=below, new=rose and below == self.config.patience,
                 ))
         self.last = StragglerReport(interval=self._interval, time=now, control_read_at=read_at, enabled=True,
-                                    threshold=threshold, scores=scores, flagged=flagged)
+                                    threshold=threshold, scores=scores, flagged=flagged,
+                                    job_best_s=best if medians or job_nodes > 1 else None, job_nodes=job_nodes)
         return self.last
 
     def _collect(self) -> dict[int, list]:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from monitors import EventLog, MonitorConfig, NodeMonitor
 from monitors.dashboard.server import DashboardConfig, DashboardServer, DashboardUnavailable
 from monitors.dashboard.server import check_available as check_dashboard
+from monitors.jobwide import JobWideBest
 from monitors.persist import monitor_state_path, offered_state_path, take_offer
 from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
@@ -183,7 +184,6 @@ class Agent:
                 raise AgentError(str(e)) from None
         self.events = EventLog(self.run_dir / "events.jsonl", source=self._source())
         self._stacks = StackDumps(self.run_dir)
-        self._monitor_for(config.node_rank)
         self._attempt = 0  # whole-group restarts (unsupervised scripts)
         self._server: dist.Store | None = None
         self._token = job_token(config)
@@ -193,6 +193,7 @@ class Agent:
         else:
             self.store = self._connect_store()
             self.port = config.master_port
+        self._monitor_for(config.node_rank, waiting=config.spare)
         self._nodes = NodeWatch(self.store, config.node_rank, config.nnodes, config.node_timeout_s)
         self._handled_losses: set[tuple[int, int]] = set()
         self._heartbeat: Heartbeat | None = None
@@ -216,12 +217,16 @@ class Agent:
         c = self.config
         return "agent" if c.nnodes == 1 else ("agent-spare" if c.spare else f"agent{c.node_rank}")
 
-    def _monitor_for(self, node_rank: int) -> None:
-        """The hang and straggler monitor of this node's ranks (a spare's, once it has a node)."""
+    def _monitor_for(self, node_rank: int, *, waiting: bool = False) -> None:
+        """The hang and straggler monitor of this node's ranks (none for a spare still ``waiting`` for a node)."""
         c = self.config
         first = node_rank * c.nproc_per_node
-        self.monitor = NodeMonitor(c.monitor, self.run_dir, range(first, first + c.nproc_per_node) if not c.spare else (),
-                                   events=EventLog(self.run_dir / "events.jsonl", source="monitor"))
+        # Many nodes: straggler scores against the whole job's fastest rank, shared through the store.
+        peers = (JobWideBest(self.store, node=node_rank, nnodes=c.nnodes,
+                             stale_after_s=3 * c.monitor.straggler.report_interval_s + c.node_timeout_s)
+                 if c.nnodes > 1 and not waiting else None)
+        self.monitor = NodeMonitor(c.monitor, self.run_dir, () if waiting else range(first, first + c.nproc_per_node),
+                                   events=EventLog(self.run_dir / "events.jsonl", source="monitor"), peers=peers)
         # The computed hang timeouts outlive the agent: a job restarted in this run directory keeps them.
         self._monitor_state = monitor_state_path(self.run_dir)
         if node_rank > 0:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import wait_for
-from jobs import REPO, Job, cli
+from jobs import REPO, Job, cli, free_port
 
 from monitors.cli import status_main, straggler_main
 from monitors.cupti_kernels import nvrx_installed
@@ -154,3 +154,28 @@ def test_nvrx_cupti_backend_scores_the_slow_gpu_kernel_by_kernel(tmp_path) -> No
     last = reports[-1]
     assert last["gpu_relative"]["0"] == 1.0 and last["gpu_relative"]["1"] < 0.75, last
     assert last["stragglers_relative"] == [1], last
+
+
+@pytest.mark.timeout(240)
+def test_a_slow_node_of_one_rank_is_flagged_against_the_other_node(tmp_path) -> None:
+    """Two nodes of one rank each: neither agent has a second rank of its own to compare with, so only the
+    job-wide exchange of medians (monitors.jobwide) can find node 1's slowed rank."""
+    run, cfg, port = tmp_path / "run", _monitor_config(tmp_path), free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "resilient_train.cli", "run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", "slow",
+         "--run-dir", str(run), "--monitor-config", str(cfg), str(JOB), "--steps", "250", "--slow-rank", "1",
+         "--slow-from", "20"], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for node in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for node, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"node {node}: {err[-3000:]}"
+    reports = _of(run, "straggler_report")
+    assert any(r["job_nodes"] == 2 for r in reports), reports[-3:]
+    detected = _of(run, "straggler_detected")
+    assert [d["rank"] for d in detected] == [1], detected
+    assert detected[0]["relative"] < 0.75
