@@ -148,7 +148,7 @@ def test_no_restart_by_default_as_torchrun(tmp_path):
     job = _run(tmp_path, "--nproc-per-node", "2", str(CRASH))
     assert job.returncode == 1, job.stderr[-3000:]
     assert "no restarts allowed (--max-restarts 0)" in job.stderr
-    assert job.stderr.count("Traceback (most recent call last)") == 1
+    assert job.stderr.count("Traceback (most recent call last)") == 1, job.stderr
 
 
 @pytest.mark.timeout(120)
