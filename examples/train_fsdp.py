@@ -32,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import resilient_train as rt  # rt:
+from checkpointing import CheckpointConfig
 from resilient_train.disk import default_checkpoint_config
 from train_gpt import GPT, GPTConfig, batch
 
@@ -103,17 +104,22 @@ def build(args: argparse.Namespace, *, rank: int, world: int, device: torch.devi
     return GPT(cfg).to(device), batch_at
 
 
+def checkpoints(args: argparse.Namespace) -> CheckpointConfig | None:
+    """``--ckpt-every N``: every rank's shards under RUN_DIR/checkpoints every N steps."""
+    run_dir = rt.WorkerEnv.from_environ().run_dir
+    if not args.ckpt_every or not run_dir:
+        return None
+    return default_checkpoint_config(run_dir, args.ckpt_every, mode=args.ckpt_mode)
+
+
 def schedule(args: argparse.Namespace) -> Callable[[int], float]:
     return lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * s / max(args.steps, 1)))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run_dir = rt.WorkerEnv.from_environ().run_dir
-    checkpoint = (default_checkpoint_config(run_dir, args.ckpt_every, mode=args.ckpt_mode)
-                  if args.ckpt_every and run_dir else None)
     sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, reproducible=args.reproducible,  # rt:
-                                            buddy_every=args.buddy_every, checkpoint=checkpoint))
+                                            buddy_every=args.buddy_every, checkpoint=checkpoints(args)))
     rank, world, device = sup.env.rank, sup.env.world_size, sup.device  # rt:
     model, batch_at = build(args, rank=rank, world=world, device=device)
     sharded = sup.sharded(model, parallelize, mesh=mesh_spec(args.replicas))  # rt: instead of parallelize(model, mesh)
