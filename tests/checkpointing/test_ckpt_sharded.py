@@ -55,12 +55,22 @@ def chunk_writers(step_dir: Path) -> dict[str, list[str]]:
     return out
 
 
+def saved_fsdp(tmp_path_factory) -> Path:
+    """A checkpoint root with step 5 saved by 4 FSDP ranks (made once per session)."""
+    if "fsdp" not in _saved:
+        ck = tmp_path_factory.mktemp("fsdp4") / "ck"
+        saved = run_ranks(4, ck, "--mesh", "fsdp", "--save", "5")
+        assert all(r["phase"] == "committed" for r in saved), saved
+        _saved["fsdp"] = ck
+    return _saved["fsdp"]
+
+
+_saved: dict[str, Path] = {}
+
+
 @pytest.mark.timeout(400)
-def test_fsdp_chunks_are_written_by_their_ranks_and_load_on_2_3_and_hsdp(tmp_path):
-    ck = tmp_path / "ck"
-    saved = run_ranks(4, ck, "--mesh", "fsdp", "--save", "5")
-    assert all(r["phase"] == "committed" for r in saved), saved
-    step = ck / "step-5"
+def test_fsdp_chunks_are_written_by_their_ranks_and_read_whole(tmp_path_factory):
+    step = saved_fsdp(tmp_path_factory) / "step-5"
     writers = chunk_writers(step)
     # Row shards of 10 over 4 ranks: 3, 3, 3, 1; each rank its own file. Plain tensors: rank 0 only.
     assert sorted(writers["model.w"]) == [f"__{r}_0.distcp" for r in range(4)]
@@ -71,12 +81,18 @@ def test_fsdp_chunks_are_written_by_their_ranks_and_load_on_2_3_and_hsdp(tmp_pat
     assert manifest.world_size == 4
     assert diff_states({k: state[k] for k in ("model", "optim")}, reference()) is None
     assert state["__ranks__"] == {r: {"rng": torch.tensor([r])} for r in range(4)}
-    # Into DTensors on other layouts: 3 ranks (uneven the other way), 2 ranks, HSDP 2 x 2.
-    for world, mesh in ((3, "fsdp"), (2, "fsdp"), (4, "hsdp")):
-        loaded = run_ranks(world, ck, "--mesh", mesh, "--load")
-        assert all(r["step"] == 5 and r["saved_world_size"] == 4 for r in loaded), loaded
-        assert all(r["diff"] is None and r["in_place"] is None for r in loaded), (world, mesh, loaded)
-        assert [r["rng"] for r in loaded] == [[r] for r in range(world)]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world,mesh", [(3, "fsdp"), pytest.param(2, "fsdp", marks=pytest.mark.slow),
+                                        pytest.param(4, "hsdp", marks=pytest.mark.slow)])
+def test_fsdp_checkpoint_loads_resharded(tmp_path_factory, world, mesh):
+    """Into DTensors on another layout: 3 ranks (uneven the other way), 2 ranks, HSDP 2 x 2; each rank gets
+    the local state its rank saved."""
+    loaded = run_ranks(world, saved_fsdp(tmp_path_factory), "--mesh", mesh, "--load")
+    assert all(r["step"] == 5 and r["saved_world_size"] == 4 for r in loaded), loaded
+    assert all(r["diff"] is None and r["in_place"] is None for r in loaded), loaded
+    assert [r["rng"] for r in loaded] == [[r] for r in range(world)]
 
 
 @pytest.mark.timeout(400)
@@ -98,21 +114,16 @@ def test_replicas_write_each_chunk_once(tmp_path, mesh):
 
 
 @pytest.mark.timeout(400)
-def test_a_missing_or_doubled_chunk_is_never_committed(tmp_path):
+@pytest.mark.parametrize("first,reason", [("not-rank1", "a rank's chunk is missing"), ("all", "twice")],
+                         ids=["missing", "doubled"])
+def test_a_missing_or_doubled_chunk_is_never_committed(tmp_path, first, reason):
+    """Rank 1 wrongly leaves its chunks to a replica that does not write them either; or every dp peer
+    claims to be the first replica and the same chunks come twice."""
     ck = tmp_path / "ck"
-    assert all(r["phase"] == "committed" for r in run_ranks(4, ck, "--mesh", "tpdp", "--save", "1"))
-    # Rank 1 wrongly leaves its chunks to a replica that does not write them either.
-    missing = run_ranks(4, ck, "--mesh", "tpdp", "--save", "2", "--first", "not-rank1")
-    assert all(r["phase"] == "failed" for r in missing), missing
-    assert "a rank's chunk is missing" in missing[0]["error"], missing[0]
-    # Every dp peer claims to be the first replica: the same chunks twice.
-    doubled = run_ranks(4, ck, "--mesh", "tpdp", "--save", "3", "--first", "all")
-    assert all(r["phase"] == "failed" for r in doubled), doubled
-    assert "twice" in doubled[0]["error"], doubled[0]
-    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-") and p.is_dir()
-                  and not p.name.endswith(".tmp")) == ["step-1"]
-    loaded = run_ranks(2, ck, "--mesh", "fsdp", "--load")
-    assert all(r["step"] == 1 and r["diff"] is None for r in loaded), loaded
+    bad = run_ranks(4, ck, "--mesh", "tpdp", "--save", "2", "--first", first)
+    assert all(r["phase"] == "failed" for r in bad), bad
+    assert reason in bad[0]["error"], bad[0]
+    assert not [p.name for p in ck.iterdir() if p.name.startswith("step-")]
 
 
 @pytest.mark.timeout(300)
