@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from checkpointing import diff_states, read_state
+from checkpointing.dcp_io import METADATA_FILE, load_metadata
 from jobs import GPT, REPO, SMALL_GPT, Job, ckpt_diff, run_script, survivors_kept_pids
 
 FSDP = REPO / "examples" / "train_fsdp.py"
@@ -249,3 +250,18 @@ def test_a_four_rank_fsdp_checkpoint_loads_on_2_and_3_ranks_and_under_ddp(tmp_pa
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                 for g in ours["optimizer"]["param_groups"]]}
     assert diff_states(ref["optimizer"], by_name) is None, diff_states(ref["optimizer"], by_name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("script,extra", [(FSDP, ("--replicas", "2")), (TP, ("--tp", "2"))], ids=["hsdp-2x2", "tp-dp-2x2"])
+def test_replicated_shards_are_written_once_and_hold_the_gathered_state(tmp_path, script, extra):
+    """HSDP 2x2 and TP x DP 2x2: ranks 2 and 3 hold the same shards as ranks 0 and 1 and write none of them
+    (only their own local state); read whole, the checkpoint is the state the job gathered at that step."""
+    job = run_fsdp(tmp_path / "run", nproc=4, steps=4, extra=(*extra, "--ckpt-every", "4"), script=script)
+    assert job.returncode == 0, job.stderr[-3000:]
+    checkpoint = job.run_dir / "checkpoints" / "step-4"
+    md = load_metadata(checkpoint / METADATA_FILE)
+    files = {info.relative_path for index, info in md.storage_data.items() if not index.fqn.startswith("__rank")}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}, files
+    same_train_state(job.run_dir / "final", checkpoint)
