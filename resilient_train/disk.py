@@ -24,6 +24,7 @@ from monitors import EventLog
 from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
 from checkpointing.manifest import Manifest
 from resilient_train.dcp_state import DCP_FORM, FORM_KEY, Suspend, dcp_state_dict, dcp_targets, load_dcp_state, saveable
+from resilient_train.errors import UsageError
 from resilient_train.store import Keys, wait_until
 from resilient_train.train_state import TrainState
 
@@ -144,7 +145,7 @@ class DiskCheckpoints:
         if manifest.extras.get(FORM_KEY) == DCP_FORM:
             return dcp_targets(state, self._suspended)
         if self.sharded:
-            raise ValueError(f"checkpoint step {manifest.step} under {self.config.directory} holds a data-parallel "
+            raise UsageError(f"checkpoint step {manifest.step} under {self.config.directory} holds a data-parallel "
                              "job's state (its optimizer keyed by parameter index, every tensor whole); a job with "
                              "sup.sharded loads checkpoints of sharded state only")
         return None
