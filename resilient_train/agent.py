@@ -533,7 +533,7 @@ class Agent:
                 continue  # another agent handles it
             g = current_generation(self.store)
             declare_fault(self.store, g, {"rank": node * c.nproc_per_node, "kind": "node_lost", "node": node,
-                                          "time": time.time()})
+                                          "time": time.time()}, world_size=c.world_size)
             spare = assign_spare(self.store, node)
             self.events.emit("node_lost", node=node, incarnation=incarnation, generation=g, spare=spare,
                              timeout_s=c.node_timeout_s)
@@ -717,7 +717,7 @@ class Agent:
                 raise AgentError(f"rank {w.rank} died ({failure.how}) and the replacement budget "
                                  f"({self.config.max_replacements}, --max-replacements) is spent")
             declare_fault(self.store, g, {"rank": w.rank, "kind": cause["kind"], "how": failure.how,
-                                          "time": time.time()})
+                                          "time": time.time()}, world_size=self.config.world_size)
             self._spawn(w.rank, current_generation(self.store), replacement=True)
             # The next spare imports torch later: started now, it would take the CPU from the ranks
             # recovering (on a small host the replacement's first step ran several times slower).

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from resilient_train.errors import GenerationFailed
 from resilient_train.generation import RunFinished
-from resilient_train.store import Keys, wait_until
+from resilient_train.store import Keys, current_generation, settle, wait_until
 from resilient_train.local_state import LocalSlots
 from resilient_train.train_state import TrainState
 
@@ -53,6 +53,9 @@ def finish_run(
         if write_final is not None:
             write_final()
         store.set(Keys.FINAL, str(generation))
+        current = current_generation(store)
+        if current > generation:  # a replacement may be joining a generation nobody else will: it looks now
+            settle(store, current, Keys.FAILED)
     else:
         wait_or_fail(lambda: store.check([Keys.FINAL]), "the final state")
 

@@ -1,10 +1,14 @@
 """Joining a generation and agreeing on where it resumes.
 
-Every rank (a survivor or a replacement) publishes what it holds, counts
-itself in, and waits until the whole world has joined, or until the
-generation is declared failed (then it moves on to the next). All ranks then
-compute the same :class:`ResumePlan` from the same published facts, so no
-extra round of agreement is needed.
+Every rank (a survivor or a replacement) publishes what it holds and counts
+itself in. The rank whose count completes the world reads every membership
+in one request, computes the :class:`ResumePlan` and writes it once to the
+generation's ``settled`` key; every rank waits on that key (a wait the store
+answers, not a poll) and reads the plan: O(N) requests for the whole world,
+where every rank reading every other rank's membership was O(N^2). A
+generation declared failed before its plan settles the same key as FAILED
+(:func:`resilient_train.store.interrupt_generation`): whichever comes first
+holds for every rank, and the ranks move on to the next generation.
 
 What a rank holds after a fault (see docs/design.md, "Recovery from live
 replicas"): its *live* state is exactly the boundary it last reached, unless
@@ -17,14 +21,16 @@ whose local state every rank can restore; everyone else heals from a holder.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from enum import Enum
 from typing import Callable
 
 import torch.distributed as dist
 
 from resilient_train.errors import GenerationFailed
-from resilient_train.store import Keys, StoreTimeout, current_generation, wait_until
+from resilient_train.store import Keys, StoreTimeout, current_generation, settle, wait_until
 
 __all__ = [
     "GenerationFailed", "JoinError", "Membership", "ResumePlan", "ResumeSource", "RunFinished",
@@ -88,16 +94,29 @@ class ResumePlan:
     from_snapshot: list[int] = field(default_factory=list)  # ranks that restore their own host copy
     # target rank -> the rank holding the target's buddy copy of ``step`` (a shard with no live replica)
     buddy_from: dict[int, int] = field(default_factory=dict)
-    members: dict[int, Membership] = field(default_factory=dict)
-
-    @property
-    def replacements(self) -> list[int]:
-        """Ranks whose process joined for the first time in this generation, replacing a lost one."""
-        return sorted(r for r, m in self.members.items() if m.replacement and m.new_process)
+    # Ranks whose process joined for the first time in this generation, replacing a lost one.
+    replacements: list[int] = field(default_factory=list)
 
     @property
     def healed(self) -> list[int]:
         return sorted({*self.heal_from, *self.buddy_from})
+
+    def to_json(self) -> str:
+        """What every rank reads: O(ranks that heal), not O(world) (the memberships stay with the planner)."""
+        return json.dumps({"generation": self.generation, "source": self.source.value, "step": self.step,
+                           "heal_from": sorted(self.heal_from.items()), "from_snapshot": self.from_snapshot,
+                           "buddy_from": sorted(self.buddy_from.items()), "replacements": self.replacements})
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "ResumePlan":
+        d = json.loads(data)
+        return cls(generation=int(d["generation"]), source=ResumeSource(d["source"]), step=d["step"],
+                   heal_from={int(t): int(f) for t, f in d["heal_from"]}, from_snapshot=list(d["from_snapshot"]),
+                   buddy_from={int(t): int(h) for t, h in d["buddy_from"]}, replacements=list(d["replacements"]))
+
+
+def _replacements(members: dict[int, Membership]) -> list[int]:
+    return sorted(r for r, m in members.items() if m.replacement and m.new_process)
 
 
 def _classes(members: dict[int, Membership]) -> dict[int, list[int]]:
@@ -129,15 +148,16 @@ def plan_resume(generation: int, members: dict[int, Membership]) -> ResumePlan:
     a class with no member at the step is rebuilt from buddy copies.
     """
     if all(m.fresh for m in members.values()):
-        return ResumePlan(generation=generation, source=ResumeSource.START,
-                          step=None, members=members)
+        return ResumePlan(generation=generation, source=ResumeSource.START, step=None,
+                          replacements=_replacements(members))
     classes = _classes(members)
     steps = {s for m in members.values() for s in (m.live_step, *m.own()) if s is not None}
     steps |= {s for m in members.values() for held in m.buddy_steps.values() for s in held}
     candidates = [s for s in steps if all(s in m.local_steps for m in members.values())
                   and all(_covered(members, ranks, s) for ranks in classes.values())]
     if not candidates:
-        return ResumePlan(generation=generation, source=ResumeSource.DISK, step=None, members=members)
+        return ResumePlan(generation=generation, source=ResumeSource.DISK, step=None,
+                          replacements=_replacements(members))
     step = max(candidates)
     heal_from: dict[int, int] = {}
     buddy_from: dict[int, int] = {}
@@ -158,7 +178,8 @@ def plan_resume(generation: int, members: dict[int, Membership]) -> ResumePlan:
                 assert holder is not None, (t, step)
                 buddy_from[t] = holder
     return ResumePlan(generation=generation, source=ResumeSource.LIVE, step=step, heal_from=heal_from,
-                      from_snapshot=sorted(from_snapshot), buddy_from=buddy_from, members=members)
+                      from_snapshot=sorted(from_snapshot), buddy_from=buddy_from,
+                      replacements=_replacements(members))
 
 
 def join_generation(
@@ -175,25 +196,43 @@ def join_generation(
     ``me()`` is called once per generation tried (what a rank holds does not
     change while it waits, but it is read fresh). Raises :class:`RunFinished`
     when ``finished()`` turns true while waiting (the run ended without this
-    rank); ``stopped()`` raises when the job was stopped.
+    rank); ``stopped()`` raises when the job was stopped. Both are looked at
+    when the generation settles as FAILED: whoever finishes or stops the run
+    settles the generation being joined so (``interrupt_generation``).
     """
+    deadline = time.monotonic() + timeout
     while True:
         g = current_generation(store)
         member = me()
         store.set(Keys.member(g, member.rank), member.to_json())
-        store.add(Keys.joined(g), 1)
-
-        def settled() -> bool:
-            stopped()
-            return store.add(Keys.joined(g), 0) >= world_size or store.check([Keys.fault(g)]) or finished()
-
+        if store.add(Keys.joined(g), 1) == world_size:
+            _settle(store, g, world_size)  # this rank completed the world: it plans for everyone
+        left = deadline - time.monotonic()
         try:
-            wait_until(settled, timeout=timeout, what=f"all {world_size} ranks to join generation {g}")
-        except StoreTimeout as e:
-            raise JoinError(str(e)) from None
+            store.wait([Keys.settled_bell(g)], timedelta(seconds=max(left, 0.001)))
+        except dist.DistStoreError:
+            stopped()
+            if finished():
+                raise RunFinished() from None
+            raise JoinError(f"timed out after {timeout:.1f} s waiting for all {world_size} ranks to join "
+                            f"generation {g}") from None
+        settled = store.get(Keys.settled(g))
+        if settled.decode() != Keys.FAILED:
+            # Every rank joined: the run cannot have finished without them, and a stop from now on
+            # interrupts this generation, which its watcher sees.
+            return ResumePlan.from_json(settled)
+        stopped()
         if finished():
             raise RunFinished()
-        if store.check([Keys.fault(g)]):
-            continue
-        members = {r: Membership.from_json(store.get(Keys.member(g, r))) for r in range(world_size)}
-        return plan_resume(g, members)
+        try:  # the fault moves the generation before it settles this one; a stop does not move it (stopped() raised)
+            wait_until(lambda: current_generation(store) > g, timeout=max(deadline - time.monotonic(), 0.001),
+                       what=f"generation {g} to be left")
+        except StoreTimeout as e:
+            raise JoinError(str(e)) from None
+
+
+def _settle(store: dist.Store, g: int, world_size: int) -> None:
+    """Every membership of ``g`` in one request, the plan, written once (unless ``g`` already failed)."""
+    values = store.multi_get([Keys.member(g, r) for r in range(world_size)])
+    members = {r: Membership.from_json(v) for r, v in enumerate(values)}
+    settle(store, g, plan_resume(g, members).to_json())

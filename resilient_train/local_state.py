@@ -39,6 +39,10 @@ class LocalSlots:
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
+        # The step each slot holds, for the slots this process wrote or read: only a rank's own process writes
+        # its slots, so what it knows of them stays true, and a survivor joining a generation asks the store
+        # nothing (a replacement reads its predecessor's slots once).
+        self._known: dict[tuple[int, int | str], int | None] = {}
 
     @staticmethod
     def key(rank: int, slot: int | str) -> str:
@@ -47,19 +51,20 @@ class LocalSlots:
     def publish(self, rank: int, step: int, payload: bytes, *, snapshot: bool = False) -> None:
         slot: int | str = step % 2
         if snapshot:
-            heads = {s: self._head(rank, s) for s in self.SNAPSHOTS}
-            same = [s for s, h in heads.items() if h is not None and h[0] == step]
-            empty = [s for s, h in heads.items() if h is None]
-            slot = same[0] if same else empty[0] if empty else min(self.SNAPSHOTS, key=lambda s: heads[s][0])  # type: ignore[index]
+            held = {s: self._step_in(rank, s) for s in self.SNAPSHOTS}
+            same = [s for s, h in held.items() if h == step]
+            empty = [s for s, h in held.items() if h is None]
+            slot = same[0] if same else empty[0] if empty else min(self.SNAPSHOTS, key=lambda s: held[s])  # type: ignore[arg-type, return-value]
         self._store.set(self.key(rank, slot), f"{step}\n".encode() + payload)
+        self._known[(rank, slot)] = step
 
     def steps(self, rank: int) -> list[int]:
         """The steps whose local state ``rank`` has published (ring slots and snapshot)."""
         found = set()
         for slot in (0, 1, *self.SNAPSHOTS):
-            head = self._head(rank, slot)
-            if head is not None:
-                found.add(head[0])
+            step = self._step_in(rank, slot)
+            if step is not None:
+                found.add(step)
         return sorted(found)
 
     def read(self, rank: int, step: int) -> bytes | None:
@@ -75,6 +80,13 @@ class LocalSlots:
         if payload is None:
             raise RuntimeError(f"rank {rank} has not published its local state of step {step}")
         return decode_local(payload)
+
+    def _step_in(self, rank: int, slot: int | str) -> int | None:
+        """The step ``slot`` holds, from what this process knows (the store is asked once per slot)."""
+        if (rank, slot) not in self._known:
+            head = self._head(rank, slot)
+            self._known[(rank, slot)] = head[0] if head is not None else None
+        return self._known[(rank, slot)]
 
     def _head(self, rank: int, slot: int | str) -> tuple[int, bytes] | None:
         key = self.key(rank, slot)

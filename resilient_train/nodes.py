@@ -3,9 +3,11 @@
 One agent runs per node (``--nnodes N --node-rank R``); node 0's hosts the
 store. Every agent keeps a beat in the store (``node/R/beat``, a counter it
 bumps about once a second) under the incarnation it registered with. Each
-agent watches the others' beats with its own clock (no clock agreement is
-needed): a node whose beat has not moved for ``node_timeout_s`` is lost. The
-first agent to claim the loss of that incarnation (``compare_set``) declares
+agent watches the beats of the next ``WATCHED`` nodes on the ring (R+1, R+2,
+... mod N) with its own clock (no clock agreement is needed), so the job's
+beat traffic grows with the number of nodes, not its square: a node whose
+beat has not moved for ``node_timeout_s`` is lost. The first of its watchers
+to claim the loss of that incarnation (``compare_set``) declares
 the generation failed (its ranks' peers are already recovering) and hands the
 node to a waiting spare agent (``--spare``), which becomes node R and starts R's
 ranks as replacements; they heal from live replicas like any replacement.
@@ -101,9 +103,12 @@ class _Seen:
     changed_at: float  # this agent's monotonic clock
 
 
+WATCHED = 3  # nodes each agent watches: a loss goes unseen only if its 3 watchers are lost with it
+
+
 @dataclass
 class NodeWatch:
-    """One agent's view of the other nodes' beats."""
+    """One agent's view of the beats of the next :data:`WATCHED` nodes on the ring."""
 
     store: dist.Store
     me: int
@@ -113,6 +118,9 @@ class NodeWatch:
     _last_beat: float = 0.0
     _seen: dict[int, _Seen] = field(default_factory=dict)
 
+    def watched(self) -> list[int]:
+        return [(self.me + i) % self.nnodes for i in range(1, min(WATCHED, self.nnodes - 1) + 1)]
+
     def poll(self, now: float | None = None) -> list[tuple[int, int]]:
         """The lost ``(node, incarnation)`` pairs (looked at about once a second)."""
         now = time.monotonic() if now is None else now
@@ -120,9 +128,7 @@ class NodeWatch:
             return []
         self._last_beat = now
         lost = []
-        for node in range(self.nnodes):
-            if node == self.me:
-                continue
+        for node in self.watched():
             incarnation = int(self.store.add(NodeKeys.incarnation(node), 0))
             if incarnation == 0:
                 continue  # not started yet: its agent may still come up

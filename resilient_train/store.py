@@ -27,7 +27,8 @@ from resilient_train.env import WorkerEnv
 
 __all__ = [
     "Keys", "StoreTimeout", "attempt_store", "connect_worker_store", "current_generation", "declare_fault",
-    "job_store", "new_token", "read_fault", "read_stop", "request_stop", "wait_until",
+    "interrupt_generation", "job_store", "new_token", "read_fault", "read_stop", "report_fault", "request_stop",
+    "settle", "wait_until",
 ]
 
 
@@ -57,6 +58,23 @@ class Keys:
     @staticmethod
     def pg_prefix(g: int) -> str:
         return f"rt/gen/{g}/pg"
+
+    @staticmethod
+    def settled(g: int) -> str:
+        """The outcome of generation ``g``'s join: its plan (JSON, written once by its last joiner) or FAILED."""
+        return f"rt/gen/{g}/settled"
+
+    @staticmethod
+    def wake(g: int, rank: int) -> str:
+        """Set when ``rank``'s watcher of generation ``g`` must look (the generation failed, the job stopped)."""
+        return f"rt/gen/{g}/wake/{rank}"
+
+    FAILED = "failed"  # Keys.settled(g) when g failed before its plan was written
+
+    @staticmethod
+    def settled_bell(g: int) -> str:
+        """Added to once ``settled(g)`` holds a value: what the joiners wait on (see :func:`settle`)."""
+        return f"rt/gen/{g}/settled_bell"
 
     @staticmethod
     def done(g: int) -> str:
@@ -109,12 +127,11 @@ def connect_worker_store(env: WorkerEnv, *, timeout: timedelta) -> dist.Store:
 
 
 def current_generation(store: dist.Store) -> int:
-    if not store.check([Keys.GENERATION]):
-        store.compare_set(Keys.GENERATION, "", "0")
-    return int(store.get(Keys.GENERATION))
+    # One request: creates the key as "0" when it is missing, else returns what it holds.
+    return int(store.compare_set(Keys.GENERATION, "", "0"))
 
 
-def declare_fault(store: dist.Store, generation: int, cause: dict[str, Any]) -> bool:
+def declare_fault(store: dist.Store, generation: int, cause: dict[str, Any], *, world_size: int) -> bool:
     """Marks ``generation`` as failed and moves the run to the next one.
 
     The agent (a worker died) and the ranks (a step raised) do the same thing,
@@ -122,10 +139,47 @@ def declare_fault(store: dist.Store, generation: int, cause: dict[str, Any]) -> 
     the first cause is kept and the generation moves only once. Returns whether
     this call was the first to report the fault.
     """
+    return report_fault(store, generation, cause, world_size=world_size)[0]
+
+
+def report_fault(store: dist.Store, generation: int, cause: dict[str, Any], *, world_size: int,
+                 woken: bool = False) -> tuple[bool, dict[str, Any]]:
+    """:func:`declare_fault`, and the cause that stands (the first report's), read in the same request.
+
+    The first reporter moves the generation, settles its join as FAILED and
+    wakes every rank's watcher (one ``multi_set`` of ``world_size`` keys). A
+    later reporter moves the generation too (idempotent) and wakes the
+    watchers only if the first did not get that far (it died in between).
+    ``woken``: the caller's watcher was woken by this fault, so all of that
+    is done (wakes are set last): one request records or reads the cause.
+    """
     payload = json.dumps(cause, default=str)
-    first = store.compare_set(Keys.fault(generation), "", payload).decode() == payload
-    store.compare_set(Keys.GENERATION, str(generation), str(generation + 1))
-    return first
+    standing = store.compare_set(Keys.fault(generation), "", payload).decode()
+    first = standing == payload
+    if first or not woken:
+        store.compare_set(Keys.GENERATION, str(generation), str(generation + 1))
+        if first or not store.check([Keys.wake(generation, world_size - 1)]):
+            interrupt_generation(store, generation, world_size=world_size)
+    return first, json.loads(standing)
+
+
+def settle(store: dist.Store, generation: int, value: str) -> None:
+    """``generation``'s join ends with ``value`` (its plan, or FAILED) unless it already ended.
+
+    The value is a ``compare_set`` (the first wins, for everyone); the waiters
+    are woken by an ``add`` beside it, because the store the agent hosts
+    (TCPStore without libuv, to take a listening socket) answers a ``wait``
+    on a ``set``, ``add`` or ``multi_set``, never on a ``compare_set``.
+    """
+    store.compare_set(Keys.settled(generation), "", value)
+    store.add(Keys.settled_bell(generation), 1)
+
+
+def interrupt_generation(store: dist.Store, generation: int, *, world_size: int) -> None:
+    """Ends every wait on ``generation``: its join (settled as FAILED unless planned) and its ranks' watchers."""
+    settle(store, generation, Keys.FAILED)
+    keys = [Keys.wake(generation, r) for r in range(world_size)]
+    store.multi_set(keys, ["1"] * world_size)
 
 
 def read_fault(store: dist.Store, generation: int) -> dict[str, Any] | None:

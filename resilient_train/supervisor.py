@@ -40,7 +40,7 @@ from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_be
 from resilient_train.disk import DiskCheckpoints, default_checkpoint_config
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
 from resilient_train.finish import finish_run, write_final
-from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished, join_generation
+from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished
 from resilient_train.group import abort_nccl, build_group, destroy_group, join_releases, release_in_background
 from resilient_train.heal import receive_state, send_state
 from resilient_train.judge import Judge, Stop
@@ -50,12 +50,13 @@ from resilient_train.preempt import Preemption
 from resilient_train.mesh import MeshSpec, build_mesh, release_mesh
 from resilient_train.parts import ChaosPart, CuptiPart, DiskPart, Part, Parts, ProgressPart, SnapshotPart
 from resilient_train.reducer import GradientReducer
+from resilient_train.rendezvous import enter_generation, interrupt_for_stop, report_fault
 from resilient_train.rerun.driver import RerunHooks
 from resilient_train.rerun.part import RerunPart
 from resilient_train.rerun.save import save_for_stop, shared_table
 from resilient_train.sharded import Parallelize, ShardedModule
 from resilient_train.stepping import Stepper
-from resilient_train.store import Keys, connect_worker_store, declare_fault, read_fault, read_stop, request_stop
+from resilient_train.store import Keys, connect_worker_store, read_stop, request_stop
 from resilient_train.train_state import TrainState
 from resilient_train.watch import GenerationWatcher
 
@@ -264,8 +265,6 @@ class Supervisor:
     def _join(self) -> SupervisorState:
         self._enter("startup" if self._fresh else "recovery", self.state.step)
         t0 = time.monotonic()
-        if self.store.check([Keys.FINAL]):
-            raise RunFinished()
 
         def me() -> Membership:
             snap = self.snapshot.snapshot.step if self.snapshot is not None else None
@@ -277,9 +276,8 @@ class Supervisor:
                               own_steps=self.buddy.own_steps() if self.buddy is not None else [],
                               buddy_steps=self.buddy.offered() if self.buddy is not None else {})
 
-        plan = join_generation(self.store, world_size=self.env.world_size, me=me,
-                               timeout=self.config.join_timeout_s, finished=lambda: self.store.check([Keys.FINAL]),
-                               stopped=self._raise_if_stopped)
+        plan = enter_generation(self.store, world_size=self.env.world_size, me=me,
+                                timeout=self.config.join_timeout_s, stopped=self._raise_if_stopped)
         self.generation = plan.generation
         self._watcher.watch(plan.generation)
         self._enter(Phase.RENDEZVOUS.value, plan.step if plan.step is not None else self.state.step)
@@ -391,7 +389,7 @@ class Supervisor:
                 state.load_shard_state(healed)
                 source_of = source
         state.load_local(self.slots.read_decoded(rank, step))
-        if self.rerun is not None and plan.members[rank].replacement:
+        if self.rerun is not None and self.env.replacement:
             self.rerun.adopt_newest_record(self.store)
         assert state.step == step, (state.step, step)
         if self.buddy is not None:
@@ -486,6 +484,7 @@ class Supervisor:
         """Stops the whole job; the original traceback (if any) and the reason are said once."""
         stood = request_stop(self.store, {"rank": self.env.rank, "summary": stop.reason, "exit_code": stop.exit_code,
                                           "step": self.ctx.step, "generation": self.generation})
+        interrupt_for_stop(self.store, world_size=self.env.world_size)
         if stood.get("rank") == self.env.rank and stood.get("summary") == stop.reason:
             sys.stderr.write(stop.traceback)
             if not self.env.under_agent:  # the agent says it once for the job
@@ -507,12 +506,12 @@ class Supervisor:
         self._enter("recovery", self.ctx.step)
         t_detect = time.time()
         g = self.generation
-        first = False
+        first, cause = False, None
         if g >= 0:
-            first = declare_fault(self.store, g, {"rank": self.env.rank, "kind": kind, "time": t_detect,
-                                                  "step": self.ctx.step, "phase": self.ctx.phase.value,
-                                                  **failure.to_dict()})
-        cause = read_fault(self.store, g) if g >= 0 else None
+            first, cause = report_fault(self.store, g, {"rank": self.env.rank, "kind": kind, "time": t_detect,
+                                                        "step": self.ctx.step, "phase": self.ctx.phase.value,
+                                                        **failure.to_dict()}, world_size=self.env.world_size,
+                                        woken=self._watcher.moved.is_set())
         self.events.emit("fault_detected", rank=self.env.rank, generation=g, step=self.ctx.step,
                          phase=self.ctx.phase.value, kind=kind, error=message[:300],
                          failure=failure.kind.value, first_reporter=first, cause=cause)

@@ -27,12 +27,15 @@ import threading
 from dataclasses import dataclass, field
 from enum import IntFlag
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 __all__ = ["Console", "OutputConfig", "Std", "WorkerOutput", "parse_std_streams", "read_error_file"]
 
 _RANK_PREFIX = re.compile(rb"^\[rank\d+\]:\s?")  # torch's excepthook prefixes each line once a group exists
 _TRACEBACK = b"Traceback (most recent call last):"
+# Python's words between the tracebacks of a chain of exceptions: the chain is one traceback to show.
+_CHAINED = (b"During handling of the above exception", b"The above exception was the direct cause")
+CHAIN_WAIT_S = 0.3  # how long a traceback's last line waits for a chained exception before it is shown
 DRAIN_S = 2.0  # how long a dead worker's last output may take to arrive
 INTERRUPT_WAIT_S = 0.5  # how long a KeyboardInterrupt's traceback waits to learn whether Ctrl-C caused it
 
@@ -181,7 +184,8 @@ class WorkerOutput:
 
     def _relay(self, pipe: IO[bytes], std: Std, log: IO[bytes] | None) -> None:
         show = bool(self._show & std)
-        block: list[bytes] = []
+        raw = (lambda block: self._console.write(b"".join(self._prefix + b for b in block))) if show else _ignore
+        tb = _TracebackBlock(on_exception=self._noted, show=self._show_traceback if show else _ignore, show_raw=raw)
         try:
             for line in iter(pipe.readline, b""):
                 if log is not None:
@@ -192,29 +196,99 @@ class WorkerOutput:
                         self._console.write(self._prefix + line, Std.OUT)
                     continue
                 bare = _RANK_PREFIX.sub(b"", line)
-                if bare.startswith(_TRACEBACK):
-                    if block and show:
-                        self._console.write(b"".join(self._prefix + b for b in block))
-                    block = [line]
-                    continue
-                if block:
-                    block.append(line)
-                    if bare[:1] not in (b" ", b"\t") and bare.strip() and not bare.startswith(_TRACEBACK):
-                        self.last_exception = bare.decode(errors="replace").strip()
-                        if show:
-                            self._console.traceback(block, self._prefix, rank=self.rank, attempt=self.attempt)
-                        block = []
+                if tb.feed(line, bare):
                     continue
                 if show:
                     self._console.write(self._prefix + line)
         except (OSError, ValueError):
             pass
         finally:
-            if block and show:
-                self._console.write(b"".join(self._prefix + b for b in block))
+            tb.close()
             if log is not None:
                 log.close()
             pipe.close()
+
+    def _show_traceback(self, block: list[bytes]) -> None:
+        self._console.traceback(block, self._prefix, rank=self.rank, attempt=self.attempt)
+
+    def _noted(self, bare: bytes) -> None:
+        self.last_exception = bare.decode(errors="replace").strip()
+
+
+class _TracebackBlock:
+    """Gathers a worker's traceback, a chain of exceptions included, so the console shows it as one.
+
+    A traceback ends at its exception line; it is held a moment (``CHAIN_WAIT_S``)
+    in case Python goes on with "During handling of the above exception" and the
+    next traceback of the chain, then shown, by whichever comes first: the next
+    line or the timer (a worker that prints a traceback and lives on).
+    """
+
+    def __init__(self, *, on_exception: Callable[[bytes], None], show: Callable[[list[bytes]], None],
+                 show_raw: Callable[[list[bytes]], None]) -> None:
+        self._on_exception, self._show, self._show_raw = on_exception, show, show_raw
+        self._lock = threading.Lock()
+        self.lines: list[bytes] = []
+        self._ended = False  # the exception line came: held for a chain
+        self._timer: threading.Timer | None = None
+
+    def feed(self, line: bytes, bare: bytes) -> bool:
+        """Takes ``line`` if it belongs to a traceback; False: the caller shows it."""
+        with self._lock:
+            if self._ended:
+                if not bare.strip() or bare.startswith(_CHAINED):
+                    if bare.startswith(_CHAINED):
+                        self._ended = False
+                        self._cancel()
+                    self.lines.append(line)
+                    return True
+                self._flush()
+            if bare.startswith(_TRACEBACK):
+                chained = any(_RANK_PREFIX.sub(b"", x).startswith(_CHAINED) for x in self.lines[-3:])
+                if self.lines and not chained:
+                    self._show_raw(self.lines)  # one cut short: as it came
+                    self.lines = []
+                self.lines.append(line)
+                return True
+            if not self.lines:
+                return False
+            self.lines.append(line)
+            if bare[:1] not in (b" ", b"\t") and bare.strip() and not bare.startswith(_CHAINED):
+                self._on_exception(bare)
+                self._ended = True
+                self._timer = threading.Timer(CHAIN_WAIT_S, self._expire)
+                self._timer.daemon = True
+                self._timer.start()
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._ended:
+                self._flush()
+            elif self.lines:
+                self._show_raw(self.lines)  # cut short (the pipe closed mid-traceback): as it came
+                self.lines = []
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._ended:
+                self._flush()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _flush(self) -> None:
+        self._cancel()
+        block, self.lines, self._ended = self.lines, [], False
+        while block and not _RANK_PREFIX.sub(b"", block[-1]).strip():
+            block.pop()  # the blank lines held for a chain that did not come
+        self._show(block)
+
+
+def _ignore(block: list[bytes]) -> None:
+    pass
 
 
 def read_error_file(path: Path) -> str | None:

@@ -24,8 +24,12 @@ def test_an_exception_that_reproduces_on_its_replay_stops_the_job(tmp_path):
     assert "KeyError: 'missing'" in job.stderr
     lines = [line for line in console_lines(job.stderr) if line.startswith("resilient-train:")]
     assert len(lines) == 1 and "raised again when step 3 was replayed" in lines[0], lines
-    # One recovery, one replay, then the stop: no rollback loop.
-    assert {e["generation"] for e in job.of("fault_detected") if e["source"].startswith("rank")} == {0}
+    # One recovery, one replay, then the stop: no rollback loop. (A peer may report its own replayed
+    # exception in generation 1 before it reads the stop: it goes no further.)
+    detected = job.of("fault_detected")
+    assert len([e for e in detected if e["generation"] == 0 and e["first_reporter"]]) == 1, detected
+    assert {e["generation"] for e in detected} <= {0, 1}, detected
+    assert sorted(e["generation"] for e in job.of("recovery_done")) == [1, 1]
     (stopped,) = job.of("job_stopped")
     assert stopped["step"] == 3 and stopped["generation"] == 1
     assert not [e for e in job.of("worker_spawned") if e["replacement"]], "nothing to replace in a bug"
