@@ -76,8 +76,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, reproducible=args.reproducible,  # rt:
-                                            checkpoint=checkpoints(args)))
+    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, checkpoint=checkpoints(args),  # rt:
+                                            **({"reproducible": True} if args.reproducible else {})))
     rank, world, device = sup.env.rank, sup.env.world_size, sup.device  # rt:
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide {world} ranks")
