@@ -111,7 +111,9 @@ def _inspect(args: argparse.Namespace) -> int:
             continue
         nbytes = props.dtype.itemsize * _numel(size)
         total += nbytes
-        print(f"  {key}: {str(props.dtype).removeprefix('torch.')} {list(size)} {nbytes} bytes")
+        chunks = len(getattr(entry, "chunks", None) or ())
+        where = f" in {chunks} chunks" if chunks > 1 else ""  # a sharded tensor, written by the ranks holding it
+        print(f"  {key}: {str(props.dtype).removeprefix('torch.')} {list(size)} {nbytes} bytes{where}")
     print(f"  total tensor bytes: {total}")
     for path_, value in _plain_values(m.tree, ""):
         print(f"  {path_} = {value!r}")

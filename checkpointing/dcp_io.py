@@ -1,15 +1,19 @@
 """Reading and writing the DCP (torch.distributed.checkpoint) part of a checkpoint.
 
 Each rank writes its own shard with DCP's filesystem writer and no collectives:
-``__{rank}_0.distcp`` plus a metadata piece ``__{rank}.metadata``. The committer
-merges the pieces into the global ``.metadata``, so a plain ``dcp.load`` on the
-committed directory reads every tensor. ``.metadata`` is a pickle, so it is only
+``__{rank}_0.distcp`` plus a metadata piece ``__{rank}.metadata``. A tensor
+may be a chunk of a larger one (a DTensor's local piece, :mod:`checkpointing.shards`):
+it is written with its offsets and the global size. The committer merges the
+pieces into the global ``.metadata`` (the chunks of one key into one entry, which
+must tile the tensor), so a plain ``dcp.load`` on the committed directory reads
+every tensor, into any layout. ``.metadata`` is a pickle, so it is only
 ever read through :class:`SafeMetadataUnpickler`, which admits DCP's own metadata
 classes and nothing else; tensor data is read by DCP with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -22,10 +26,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from checkpointing.durable import fsync_dir
 from checkpointing.errors import disk_full_error
 from checkpointing.manifest import CheckpointError
+from checkpointing.shards import Chunk, check_tiling
 from monitors.safefiles import create_exclusive
 
 __all__ = [
@@ -119,17 +126,67 @@ class _RankWriter(FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, rank=self._rank, use_collectives=False)
 
 
+class _ChunkPlanner(DefaultSavePlanner):
+    """DCP's save planner, with the keys of ``chunks`` written as chunks of a larger tensor (``SHARD`` items).
+
+    One rank's plan is the whole plan here (no collectives), so DCP's check that the plan covers every
+    tensor would fail for a chunk: the commit checks the tiling of the merged chunks instead.
+    """
+
+    def __init__(self, chunks: dict[str, Chunk]) -> None:
+        super().__init__()
+        self._chunks = chunks
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = [self._as_chunk(item) if item.index.fqn in self._chunks else item for item in plan.items]
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def _as_chunk(self, item: WriteItem) -> WriteItem:
+        chunk = self._chunks[item.index.fqn]
+        assert item.tensor_data is not None
+        offsets = torch.Size(chunk.offsets)
+        return WriteItem(
+            index=dcp_metadata.MetadataIndex(item.index.fqn, offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=dcp_metadata.ChunkStorageMetadata(offsets=offsets, sizes=item.tensor_data.size),
+                properties=item.tensor_data.properties,
+                size=torch.Size(chunk.size),
+            ),
+        )
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], dcp_metadata.Metadata]:
+        global_plan, metadata = create_default_global_save_plan(all_plans)
+        metadata = dataclasses.replace(metadata, planner_data=dict(self.mappings))
+        self.global_plan, self.metadata = global_plan, metadata
+        return global_plan, metadata
+
+    def lookup_object(self, index: dcp_metadata.MetadataIndex) -> Any:
+        if index.fqn in self._chunks:
+            return self.state_dict[index.fqn]  # the local tensor: its offsets are only in the metadata
+        return super().lookup_object(index)
+
+
 def write_shard(
     directory: Path,
     rank: int,
     tensors: dict[str, torch.Tensor],
     *,
+    chunks: dict[str, Chunk] | None = None,
     wrap_stream: Callable[[Any], Any] | None = None,
 ) -> list[str]:
     """Writes this rank's tensors (fsync'd) into ``directory``; returns the file names written.
 
+    A key in ``chunks`` is a chunk of a larger tensor (its offsets and global size go into the metadata).
     Raises :class:`~checkpointing.errors.DiskFullError` when the filesystem ran out of space.
     """
+    chunks = dict(chunks or {})
+    for key, chunk in chunks.items():
+        if key not in tensors:
+            raise ValueError(f"chunk of {key!r}: no such tensor to write")
+        chunk.check_holds(key, tuple(tensors[key].shape))
     directory.mkdir(parents=True, exist_ok=True)
     for name in (f"__{rank}_0.distcp", metadata_piece_name(rank)):
         # DCP opens its files by name and follows links: a link left where this rank writes would
@@ -140,7 +197,8 @@ def write_shard(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
+            dcp.save(dict(tensors), storage_writer=writer, planner=_ChunkPlanner(chunks) if chunks else None,
+                     no_dist=True)
     except CheckpointException as e:  # a BaseException in DCP: turn it into an ordinary error
         needed = sum(t.numel() * t.element_size() for t in tensors.values())
         full = disk_full_error(directory, e, needed=needed, what=f"writing the shard of rank {rank}")
@@ -154,7 +212,11 @@ def write_shard(
 
 
 def merge_metadata_pieces(directory: Path, ranks: list[int]) -> None:
-    """Merges each rank's metadata piece into ``.metadata`` (fsync'd), then removes the pieces."""
+    """Merges each rank's metadata piece into ``.metadata`` (fsync'd), then removes the pieces.
+
+    The chunks of one key, from several ranks, become one entry; every tensor's chunks must then tile
+    it exactly (``ValueError`` otherwise: a chunk missing, or written twice).
+    """
     merged: dcp_metadata.Metadata | None = None
     for rank in ranks:
         md = load_metadata(directory / metadata_piece_name(rank))
@@ -162,13 +224,27 @@ def merge_metadata_pieces(directory: Path, ranks: list[int]) -> None:
             merged = md
             merged.planner_data = dict(md.planner_data or {})
             continue
-        overlap = set(merged.state_dict_metadata) & set(md.state_dict_metadata)
-        if overlap:
-            raise ValueError(f"ranks wrote the same checkpoint keys twice: {sorted(overlap)[:3]}")
-        merged.state_dict_metadata.update(md.state_dict_metadata)
+        for key, entry in md.state_dict_metadata.items():
+            mine = merged.state_dict_metadata.get(key)
+            if mine is None:
+                merged.state_dict_metadata[key] = entry
+            elif _same_tensor(mine, entry):
+                mine.chunks.extend(entry.chunks)  # type: ignore[union-attr]
+            else:
+                raise ValueError(f"ranks wrote checkpoint key {key!r} twice (not as chunks of one tensor)")
+        twice = set(merged.storage_data) & set(md.storage_data)
+        if twice:
+            index = next(iter(twice))
+            raise ValueError(f"ranks wrote the chunk of {index.fqn!r} at {list(index.offset or ())} twice")
         merged.storage_data.update(md.storage_data)
         merged.planner_data.update(md.planner_data or {})
     assert merged is not None
+    for key, entry in merged.state_dict_metadata.items():
+        if isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            why = check_tiling(key, tuple(entry.size), [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks])
+            if why is not None:
+                raise ValueError(f"the ranks' chunks do not make up the tensor: {why}")
+    merged.storage_data = _renumbered(merged)
     if merged.storage_meta is not None:
         merged.storage_meta.checkpoint_id = None
     tmp = directory / (METADATA_FILE + ".tmp")
@@ -183,6 +259,26 @@ def merge_metadata_pieces(directory: Path, ranks: list[int]) -> None:
     fsync_dir(directory)
 
 
+def _same_tensor(a: Any, b: Any) -> bool:
+    return (isinstance(a, dcp_metadata.TensorStorageMetadata) and isinstance(b, dcp_metadata.TensorStorageMetadata)
+            and a.size == b.size and a.properties.dtype == b.properties.dtype)
+
+
+def _renumbered(md: dcp_metadata.Metadata) -> dict[dcp_metadata.MetadataIndex, Any]:
+    """The storage entries with their index hints pointing into the merged chunk lists (hints only speed
+    up lookups, but a wrong one is a trap for the next reader)."""
+    position: dict[tuple[str, tuple[int, ...]], int] = {}
+    for key, entry in md.state_dict_metadata.items():
+        if isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            for i, c in enumerate(entry.chunks):
+                position[(key, tuple(c.offsets))] = i
+    out = {}
+    for index, info in md.storage_data.items():
+        hint = position.get((index.fqn, tuple(index.offset))) if index.offset is not None else None
+        out[dcp_metadata.MetadataIndex(index.fqn, index.offset, hint)] = info
+    return out
+
+
 class _SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         md = load_metadata(Path(self.path) / METADATA_FILE)
@@ -192,22 +288,39 @@ class _SafeReader(FileSystemReader):
         return md
 
 
-def read_tensors(directory: Path, keys: list[str], files: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+def read_tensors(directory: Path, keys: list[str], files: dict[str, int] | None = None, *,
+                 into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Reads the named tensors of a (verified) checkpoint directory into fresh CPU tensors.
+
+    ``into`` (key -> tensor) names tensors to fill in place instead: a whole tensor, or a DTensor of
+    any layout, whose local piece gets its part of the stored chunks (only the overlapping ones are read).
+    They must have the stored tensor's global shape and dtype; a mismatch is a ``ValueError``.
 
     ``files`` (name -> size, from the verified manifest) bounds what the metadata may claim: every
     tensor's data must lie in those files and fit in the bytes stored for it, checked before
-    anything is allocated (a forged ``.metadata`` must not ask for 2**40 elements).
+    anything is allocated (a forged ``.metadata`` must not ask for 2**40 elements), and its chunks
+    must tile it (no element left unread).
     """
     md = load_metadata(directory / METADATA_FILE)
     stored = _stored_bytes(directory, md, files)
+    into = dict(into or {})
     template: dict[str, torch.Tensor] = {}
-    for key in keys:
+    for key in [*keys, *into]:
         entry = md.state_dict_metadata.get(key)
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
             raise CheckpointError(directory, METADATA_FILE, f"no tensor entry for {key!r}")
         size, dtype = _checked_shape(directory, key, entry, stored.get(key, 0))
-        template[key] = torch.empty(size, dtype=dtype)
+        why = check_tiling(key, tuple(size), [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks])
+        if why is not None:
+            raise CheckpointError(directory, METADATA_FILE, f"chunks do not make up the tensor: {why}")
+        if key in into:
+            target = into[key]
+            if list(target.shape) != size or target.dtype != dtype:
+                raise ValueError(f"checkpoint load: {key} is {dtype}{size} in the checkpoint, "
+                                 f"{target.dtype}{list(target.shape)} here")
+        else:
+            template[key] = torch.empty(size, dtype=dtype)
+    template.update(into)
     if template:
         try:
             with warnings.catch_warnings():

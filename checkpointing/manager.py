@@ -6,12 +6,17 @@ the persistent writer process, which writes and fsyncs this rank's shard; the
 rank reports its files through the store; rank 0, once every rank reported,
 commits (``.metadata``, manifest, rename, ``latest``) and announces the verdict.
 Replicated entries are written by rank 0 only, ``config.local_keys`` by each rank.
+A DTensor (sharded state: FSDP2, HSDP, TP) is written by the ranks holding it,
+each its own chunk with its offsets in the global tensor, once per chunk
+(:mod:`checkpointing.shards`); the commit checks the chunks tile every tensor.
 
 Load: the newest committed step whose manifest and checksums verify, falling
 back to older ones (each rejection is an event naming the file, and a line on
 rank 0's stderr, as is the step resumed from). On a different number of ranks:
 replicated entries load on any rank; rank ``r`` gets the local entries saved by
-rank ``r`` if there was one, else none (the caller re-seeds).
+rank ``r`` if there was one, else none (the caller re-seeds). Sharded entries
+load into a template of any layout (``load(into=...)``): each rank reads only
+the stored chunks that overlap the pieces it holds.
 
 A save that lost a rank is failed as soon as ``cancelled`` says so (see
 ``coordinator``); a save that ran out of disk makes every later ``save`` raise
@@ -29,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -43,6 +48,7 @@ from checkpointing.errors import DiskFullError, disk_full_error, is_disk_full
 from checkpointing.lifecycle import MANAGER_MOVES, ManagerState, SaveHandle, SavePhase, check_move
 from checkpointing.manifest import MANIFEST_FILE, CheckpointError, Manifest, verify_checkpoint
 from checkpointing.retention import RetentionWorker, remove_leftovers
+from checkpointing.shards import Chunk, rank_share
 from checkpointing.staging import HostStager
 from checkpointing.state_files import local_prefix, read_verified
 from checkpointing.tree import Skeleton, fill_template, flatten_state
@@ -68,6 +74,7 @@ class _Job:
     coord: StoreCoordinator  # the generation the save was requested in
     tree: Skeleton | None
     local_tree: Skeleton | None
+    chunks: dict[str, Chunk]  # staged keys that are chunks of a larger tensor (DTensor pieces)
     extras: dict[str, Any]
     cuda_event: Any
     version: int
@@ -85,10 +92,15 @@ class CheckpointManager:
         store: dist.Store | None = None,
         events: EventLog | None = None,
         cancelled: Cancelled | None = None,
+        first_replica: bool = True,
     ) -> None:
         """``cancelled`` (a callable or a ``threading.Event``, polled from a background thread every
         ``coordinator.POLL_S`` while a save waits on other ranks) says the save in flight cannot complete,
-        e.g. "my generation was declared failed"; ``set_store`` replaces it for later saves."""
+        e.g. "my generation was declared failed"; ``set_store`` replaces it for later saves.
+
+        ``first_replica=False``: another rank holds the same DTensor pieces as this one (a replica along a
+        replicate dimension of the job's layout, such as HSDP's replica groups or TP × DP's ``dp``) and
+        writes them; this rank writes only its local entries."""
         if not isinstance(config, CheckpointConfig):
             raise ValueError(f"CheckpointManager: config must be a CheckpointConfig, got {type(config).__name__}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -96,6 +108,7 @@ class CheckpointManager:
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        self.first_replica = first_replica
         self.root = Path(config.directory)
         self.root.mkdir(parents=True, exist_ok=True)
         self._events = events if events is not None else EventLog(None, source=f"ckpt.rank{rank}")
@@ -168,12 +181,7 @@ class CheckpointManager:
         self._coord.unskip(step)  # a step this rank skipped before and saves now
         started = time.monotonic()
         self._writer.start()  # no-op once running; (re)starts a dead one without waiting for it
-        local_keys = set(self.config.local_keys)
-        replicated = {k: v for k, v in state.items() if k not in local_keys}
-        local = {k: v for k, v in state.items() if k in local_keys}
-        tensors, tree = flatten_state(replicated) if self.rank == 0 else ({}, None)
-        local_tensors, local_tree = flatten_state(local, prefix=local_prefix(self.rank))
-        tensors.update(local_tensors)
+        tensors, tree, local_tree, chunks = self._share(state)
         handle = SaveHandle(step)
         self._inflight = handle
         try:
@@ -194,6 +202,7 @@ class CheckpointManager:
                 coord=self._coord,
                 tree=tree,
                 local_tree=local_tree if self.config.local_keys else None,
+                chunks=chunks,
                 extras=extras,
                 cuda_event=event,
                 version=self._stager.layout_version,
@@ -213,15 +222,22 @@ class CheckpointManager:
         if previous is not None and not previous.phase.terminal:
             previous.wait(self.config.timeout_s)
         self._writer.start()
-        self._stager.prepare(self._split(state))
+        self._stager.prepare(self._share(state)[0])
 
-    def _split(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _share(self, state: dict[str, Any]) -> tuple[dict[str, Any], Skeleton | None, Skeleton, dict[str, Chunk]]:
+        """What this rank writes: ``(tensors, tree (rank 0), local tree, chunks)``.
+
+        Every rank walks the replicated entries, because a DTensor among them is written by the ranks that
+        hold it; plain tensors there are the same on every rank and written by rank 0.
+        """
         local_keys = set(self.config.local_keys)
         replicated = {k: v for k, v in state.items() if k not in local_keys}
         local = {k: v for k, v in state.items() if k in local_keys}
-        tensors, _ = flatten_state(replicated) if self.rank == 0 else ({}, None)
-        tensors.update(flatten_state(local, prefix=local_prefix(self.rank))[0])
-        return tensors
+        flat, tree = flatten_state(replicated, dtensors=True)
+        tensors, chunks = rank_share(flat, rank=self.rank, primary=self.first_replica)
+        local_tensors, local_tree = flatten_state(local, prefix=local_prefix(self.rank))
+        tensors.update(local_tensors)
+        return tensors, tree if self.rank == 0 else None, local_tree, chunks
 
     def wait(self, timeout: float | None = None) -> SavePhase | None:
         """Waits for the save in flight, if any; returns its final phase."""
@@ -246,11 +262,19 @@ class CheckpointManager:
                 continue
         return None
 
-    def load(self, template: dict[str, Any] | None = None, *, step: int | None = None) -> tuple[dict[str, Any], Manifest]:
+    def load(
+        self, template: dict[str, Any] | None = None, *, step: int | None = None,
+        into: Callable[[Manifest], dict[str, Any] | None] | None = None,
+    ) -> tuple[dict[str, Any], Manifest]:
         """The newest (or the given) committed step that verifies, as this rank saved it.
 
         With ``template``, its tensors are filled in place (shapes and dtypes must
         match) and its structure returned; otherwise fresh CPU tensors.
+
+        ``into(manifest)``, called once a step verified, may return part of the state (``{"model": ...}``)
+        whose tensors receive the checkpoint's values directly: whole tensors, or DTensors of any layout
+        (another world size or mesh than the one that saved it), each rank reading only the stored
+        chunks that overlap its pieces. The state returned holds those very tensors.
         """
         for entry in reversed(list_steps(self.root)):
             if step is not None and entry.step != step:
@@ -259,7 +283,9 @@ class CheckpointManager:
                 manifest = verify_checkpoint(entry.path, run_id=self.config.run_id)
                 if manifest.step != entry.step:
                     raise CheckpointError(entry.path, MANIFEST_FILE, f"manifest says step {manifest.step}")
-                state = read_verified(entry.path, manifest, rank=self.rank)
+                targets = into(manifest) if into is not None else None
+                flat = flatten_state(targets, dtensors=True)[0] if targets else None
+                state = read_verified(entry.path, manifest, rank=self.rank, into=flat)
             except CheckpointError as e:
                 self._invalid(entry.step, e)
                 continue
@@ -342,7 +368,8 @@ class CheckpointManager:
             files: dict[str, Any] = {}
             if self._stager.buffers:
                 files = self._writer.write(
-                    step=step, directory=tmp_dir, layout=self._stager.describe(), version=job.version, timeout=timeout
+                    step=step, directory=tmp_dir, layout=self._stager.describe(), version=job.version, timeout=timeout,
+                    chunks=job.chunks,
                 )
             report = {"files": files, "local_tree": job.local_tree}
         except Exception as e:

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 
 from checkpointing.commit import TMP_SUFFIX, commit_checkpoint, describe_files
 from checkpointing.dcp_io import read_tensors, write_shard
@@ -98,14 +99,24 @@ def read_state(
     return read_verified(path, manifest, rank=rank), manifest
 
 
-def read_verified(path: Path, manifest: Manifest, *, rank: int | None) -> dict[str, Any]:
-    """``read_state`` after verification (the caller already checked ``manifest`` and the files)."""
+def read_verified(path: Path, manifest: Manifest, *, rank: int | None,
+                  into: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """``read_state`` after verification (the caller already checked ``manifest`` and the files).
+
+    ``into`` (flat key -> tensor or DTensor) names tensors filled in place instead of fresh ones
+    (:func:`~checkpointing.dcp_io.read_tensors`); every one of them must be in the checkpoint."""
     trees = dict(manifest.local_trees)
     wanted = [r for r in sorted(trees) if rank is None or r == rank]
     keys = skeleton_keys(manifest.tree)
     for r in wanted:
         keys += skeleton_keys(trees[r])
-    tensors = read_tensors(path, keys, {name: e.size for name, e in manifest.files.items()})
+    into = dict(into or {})
+    unknown = sorted(set(into) - set(keys))
+    if unknown:
+        raise ValueError(f"checkpoint load: {unknown[0]} is not in the checkpoint of step {manifest.step} "
+                         f"({len(unknown)} such entries)")
+    keys = [k for k in keys if k not in into]
+    tensors = read_tensors(path, keys, {name: e.size for name, e in manifest.files.items()}, into=into)
     state = unflatten_state(manifest.tree, tensors.__getitem__)
     if not isinstance(state, dict):
         raise ValueError(f"{path}: checkpoint root is not a dict")

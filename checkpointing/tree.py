@@ -28,17 +28,21 @@ _PLAIN = (int, float, bool, str, type(None))
 MAX_DEPTH = 64
 
 
-def flatten_state(state: Any, *, prefix: str = "") -> tuple[dict[str, torch.Tensor], Skeleton]:
-    """Returns ``(flat tensors by dotted key, skeleton)``; raises ``ValueError`` on unsupported leaves."""
+def flatten_state(state: Any, *, prefix: str = "", dtensors: bool = False) -> tuple[dict[str, torch.Tensor], Skeleton]:
+    """Returns ``(flat tensors by dotted key, skeleton)``; raises ``ValueError`` on unsupported leaves.
+
+    A DTensor (one rank's piece of a sharded tensor) is refused unless ``dtensors``: then it is
+    returned as it is, for the caller to write as a chunk (:mod:`checkpointing.shards`).
+    """
     flat: dict[str, torch.Tensor] = {}
 
     def walk(node: Any, path: str) -> Skeleton:
         if isinstance(node, torch.Tensor):
-            if _is_dtensor(node):
+            if not dtensors and _is_dtensor(node):
                 raise ValueError(
                     f"checkpoint state at {path!r}: a DTensor (one rank's shard of a sharded tensor) cannot be "
                     "written whole by one rank; gather it first (DCP get_state_dict with full_state_dict=True)")
-            if node.is_sparse or node.layout != torch.strided:
+            if not _is_dtensor(node) and (node.is_sparse or node.layout != torch.strided):
                 raise ValueError(f"checkpoint state at {path!r}: only dense (strided) tensors are supported")
             if path in flat:
                 raise ValueError(f"checkpoint state: two entries flatten to the same key {path!r}")

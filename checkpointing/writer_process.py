@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointing.errors import DiskFullError
+from checkpointing.shards import Chunk
 
 __all__ = ["WriterDied", "WriterProcess"]
 
@@ -64,14 +65,18 @@ class WriterProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def write(self, *, step: int, directory: Path, layout: list[dict[str, Any]], version: int, timeout: float) -> dict[str, Any]:
-        """Writes the staged buffers as this rank's shard into ``directory``; returns ``{file: {size, sha256}}``."""
+    def write(self, *, step: int, directory: Path, layout: list[dict[str, Any]], version: int, timeout: float,
+              chunks: dict[str, Chunk] | None = None) -> dict[str, Any]:
+        """Writes the staged buffers as this rank's shard into ``directory``; returns ``{file: {size, sha256}}``.
+
+        A key in ``chunks`` is a chunk of a larger tensor (a DTensor's local piece)."""
         self.start()
         try:
             if version != self._sent_version:
                 self._send({"op": "map", "layout": layout})
                 self._sent_version = version
-            self._send({"op": "write", "step": step, "directory": str(directory)})
+            self._send({"op": "write", "step": step, "directory": str(directory),
+                        "chunks": {k: c.to_json() for k, c in (chunks or {}).items()}})
             reply = self._recv(timeout)
         except TimeoutError:
             self._discard()  # a hung writer is killed; the next save starts another
@@ -186,7 +191,8 @@ def _serve(rank: int) -> None:
         step, directory = msg["step"], Path(msg["directory"])
         try:
             wrap = (lambda s: _KillMidWrite(s, step, rank)) if armed else None
-            names = write_shard(directory, rank, buffers, wrap_stream=wrap)
+            chunks = {k: Chunk.from_json(c) for k, c in msg.get("chunks", {}).items()}
+            names = write_shard(directory, rank, buffers, chunks=chunks, wrap_stream=wrap)
             files = describe_files(directory, names)
             testhooks.crash_point("written", step=step, rank=rank)
             reply: dict[str, Any] = {"step": step, "files": files}

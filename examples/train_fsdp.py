@@ -10,6 +10,12 @@ model is handed over before it is sharded.
     resilient-train run --nproc-per-node 4 --run-dir runs/fsdp examples/train_fsdp.py --steps 100
     resilient-train run --nproc-per-node 4 --run-dir runs/hsdp examples/train_fsdp.py --replicas 2
 
+With ``--ckpt-every N`` each rank writes its own shards to RUN_DIR/checkpoints
+every N steps: the fallback when a rank and its buddy are lost at once, and a
+way to go on at another size: the same command with another
+``--nproc-per-node`` (or ``train_gpt.py --ckpt-every N``, data-parallel) on the
+same run directory resumes from the newest checkpoint, resharded.
+
 On CPU it runs with gloo, on GPUs with NCCL (the supervisor picks the backend).
 """
 
@@ -26,6 +32,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import resilient_train as rt  # rt:
+from checkpointing import CheckpointConfig
+from resilient_train.disk import default_checkpoint_config
 from train_gpt import GPT, GPTConfig, batch
 
 
@@ -44,11 +52,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm")
     p.add_argument("--replicas", type=int, default=1, help="HSDP: replica groups (1: plain FSDP over every rank)")
     p.add_argument("--buddy-every", type=int, default=1, help="refresh the buddy copies every k steps (plain FSDP)")
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="disk checkpoint interval in steps, under RUN_DIR/checkpoints (0: none; needs a run dir)")
+    p.add_argument("--ckpt-mode", choices=["process", "disabled"], default="process",
+                   help="process: saves are written by a background process (default); disabled: saves block")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--reproducible", action="store_true", help="deterministic kernels, one intra-op thread")
     args = p.parse_args(argv)
     if args.steps < 0 or args.batch < 1 or args.dataset < 1 or args.replicas < 1 or args.buddy_every < 1:
         p.error("--steps must be >= 0; --batch, --dataset, --replicas and --buddy-every >= 1")
+    if args.ckpt_every < 0:
+        p.error("--ckpt-every must be >= 0")
     return args
 
 
@@ -90,14 +104,24 @@ def build(args: argparse.Namespace, *, rank: int, world: int, device: torch.devi
     return GPT(cfg).to(device), batch_at
 
 
+def checkpoints(args: argparse.Namespace) -> CheckpointConfig | None:
+    """``--ckpt-every N``: every rank's shards under RUN_DIR/checkpoints every N steps."""
+    run_dir = rt.WorkerEnv.from_environ().run_dir
+    if not args.ckpt_every or not run_dir:
+        return None
+    return default_checkpoint_config(run_dir, args.ckpt_every, mode=args.ckpt_mode)
+
+
 def schedule(args: argparse.Namespace) -> Callable[[int], float]:
     return lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * s / max(args.steps, 1)))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, reproducible=args.reproducible,  # rt:
-                                            buddy_every=args.buddy_every))
+    # Without --reproducible the config's default stands (RT_REPRODUCIBLE=1: the chaos runner's bitwise verdicts).
+    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, buddy_every=args.buddy_every,  # rt:
+                                            checkpoint=checkpoints(args),
+                                            **({"reproducible": True} if args.reproducible else {})))
     rank, world, device = sup.env.rank, sup.env.world_size, sup.device  # rt:
     model, batch_at = build(args, rank=rank, world=world, device=device)
     sharded = sup.sharded(model, parallelize, mesh=mesh_spec(args.replicas))  # rt: instead of parallelize(model, mesh)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import resilient_train as rt  # rt:
-from train_fsdp import build, schedule
+from train_fsdp import build, checkpoints, schedule
 from train_fsdp import parse_args as fsdp_args
 
 
@@ -76,7 +76,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, reproducible=args.reproducible))  # rt:
+    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, checkpoint=checkpoints(args),  # rt:
+                                            **({"reproducible": True} if args.reproducible else {})))
     rank, world, device = sup.env.rank, sup.env.world_size, sup.device  # rt:
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide {world} ranks")

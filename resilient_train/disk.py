@@ -2,14 +2,19 @@
 
 Live replicas cover a lost rank whose peers are alive. The disk is for
 everything else: a launcher that restarted every worker (plain torchrun), a
-job started again, or a fault that left no step held by every rank. The train
-state goes to disk as ``{"model", "optimizer", "local"}``, where ``local`` (the
-data position and RNG states) is written by each rank for itself.
+job started again, or a fault that left no step held by every rank (a lost
+rank and its buddy at once). The train state goes to disk as ``{"model",
+"optimizer", "replicated", "local"}``, where ``local`` (the data position and
+RNG states) is written by each rank for itself. Sharded state (``sup.sharded``)
+is written in DCP's form, each rank its own chunks (:mod:`resilient_train.dcp_state`),
+and loads on any layout: another world size, another mesh, a data-parallel model.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -17,6 +22,9 @@ from checkpointing import CheckpointConfig, CheckpointManager, NoCheckpointError
 from checkpointing.lifecycle import SavePhase
 from monitors import EventLog
 from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
+from checkpointing.manifest import Manifest
+from resilient_train.dcp_state import DCP_FORM, FORM_KEY, Suspend, dcp_state_dict, dcp_targets, load_dcp_state, saveable
+from resilient_train.errors import UsageError
 from resilient_train.store import Keys, wait_until
 from resilient_train.train_state import TrainState
 
@@ -38,19 +46,26 @@ def default_checkpoint_config(run_dir: str | Path, every: int, *, mode: str = "p
 class DiskCheckpoints:
     def __init__(
         self, config: CheckpointConfig, *, rank: int, world_size: int, store: dist.Store, events: EventLog,
-        run_dir: Path | None = None,
+        run_dir: Path | None = None, sharded: bool = False, first_replica: bool = True,
+        suspended: Suspend = contextlib.nullcontext,
     ) -> None:
+        """``sharded``: the state is written in DCP's form (``sup.sharded``); ``first_replica=False``: another
+        rank holds this rank's shards and writes them; ``suspended()``: the commit gate kept out of an
+        optimizer step that DCP makes to create an empty optimizer's state."""
         if LOCAL_KEY not in config.local_keys:
             raise ValueError(f"the supervisor's checkpoint config must list {LOCAL_KEY!r} in local_keys")
         self.config = config
         self.rank = rank
+        self.sharded = sharded
+        self._suspended = suspended
         self._events = events
         # Under the agent: the computed hang timeouts travel in each checkpoint (monitors.persist).
         self.run_dir = run_dir
         self._prepared = False
         # Re-pointed at each generation's keys by on_generation.
         self._manager = CheckpointManager(
-            config, rank=rank, world_size=world_size, store=dist.PrefixStore("rt/ckpt-unused", store), events=events
+            config, rank=rank, world_size=world_size, store=dist.PrefixStore("rt/ckpt-unused", store), events=events,
+            first_replica=first_replica,
         )
 
     def on_generation(self, store: dist.Store, generation: int) -> None:
@@ -62,6 +77,9 @@ class DiskCheckpoints:
     def prepare(self, state: TrainState) -> None:
         """Starts the writer process and sizes the staging buffers now, not at the first save."""
         if not self._prepared:
+            if self.sharded and not saveable(state):
+                self._manager.prepare({})  # the writer starts; the first save sizes the buffers
+                return
             self._manager.prepare(self._state_dict(state))
             self._prepared = True
 
@@ -70,7 +88,7 @@ class DiskCheckpoints:
 
         ``required`` (the last step's save): never skipped for a save still in flight.
         """
-        extras = {}
+        extras: dict[str, Any] = {FORM_KEY: DCP_FORM} if self.sharded else {}
         if self.rank == 0 and self.run_dir is not None:  # rank 0 writes the manifest
             monitors = read_monitor_state(self.run_dir)
             if monitors is not None:
@@ -98,7 +116,7 @@ class DiskCheckpoints:
         if not chosen:
             return None
         try:
-            loaded, manifest = self._manager.load(step=int(chosen))
+            loaded, manifest = self._manager.load(step=int(chosen), into=lambda m: self._targets(state, m))
         except NoCheckpointError:
             raise RuntimeError(f"checkpoint step {chosen} chosen by rank 0 does not verify on rank {self.rank}") from None
         monitors = manifest.extras.get(CHECKPOINT_EXTRAS_KEY)
@@ -107,7 +125,10 @@ class DiskCheckpoints:
                 offer_from_checkpoint(self.run_dir, monitors, step=int(chosen))
             except OSError as e:  # the monitors' timeouts are a convenience: never fail the load for them
                 self._events.emit("monitor_state_not_offered", step=int(chosen), reason=str(e))
-        state.load_replicated(loaded)
+        if manifest.extras.get(FORM_KEY) == DCP_FORM:
+            load_dcp_state(state, loaded, self._suspended)
+        else:
+            state.load_replicated(loaded)
         if LOCAL_KEY in loaded:
             state.load_local(loaded[LOCAL_KEY])
         else:
@@ -119,6 +140,16 @@ class DiskCheckpoints:
     def close(self) -> None:
         self._manager.close()
 
-    @staticmethod
-    def _state_dict(state: TrainState) -> dict:
-        return {**state.replicated_state_dict(), LOCAL_KEY: state.local_state_dict()}
+    def _targets(self, state: TrainState, manifest: Manifest) -> dict[str, Any] | None:
+        """What the checkpoint is read into: the live model and optimizer in DCP's form, on this layout."""
+        if manifest.extras.get(FORM_KEY) == DCP_FORM:
+            return dcp_targets(state, self._suspended)
+        if self.sharded:
+            raise UsageError(f"checkpoint step {manifest.step} under {self.config.directory} holds a data-parallel "
+                             "job's state (its optimizer keyed by parameter index, every tensor whole); a job with "
+                             "sup.sharded loads checkpoints of sharded state only")
+        return None
+
+    def _state_dict(self, state: TrainState) -> dict:
+        replicated = dcp_state_dict(state, self._suspended) if self.sharded else state.replicated_state_dict()
+        return {**replicated, LOCAL_KEY: state.local_state_dict()}

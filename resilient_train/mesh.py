@@ -77,6 +77,13 @@ class MeshSpec:
                 cls = cls * size + c
         return cls
 
+    def first_replica(self, rank: int, world_size: int) -> bool:
+        """The member of its replica class that writes the class's shards to disk: at 0 on every replicate
+        dimension (the others hold the same shards)."""
+        sizes = self.sizes(world_size)
+        coords = self.coordinates(rank, world_size)
+        return all(c == 0 for name, size, c in zip(self.names, sizes, coords) if name in self.replicate)
+
 
 def build_mesh(spec: MeshSpec, *, world_size: int, device: torch.device) -> DeviceMesh:
     """The mesh on the current default process group (the generation's); sub-groups are made on it."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from chaos import Phase, loads_faults
 from chaos.faults import RECOVERY_PHASES
+from checkpointing import CheckpointConfig
 from monitors import EventLog, ProgressReporter
 from monitors.stacks import install_stack_dump
 from resilient_train import env as envvars
@@ -214,13 +215,10 @@ class Supervisor:
                 self.run_dir, rank, cuda_device=self.device if self.device.type == "cuda" else None)))
         if c.cupti is not None:
             parts.append(CuptiPart(c.cupti, self.events))
-        self.disk = (DiskCheckpoints(c.checkpoint, rank=rank, world_size=self.env.world_size, store=self.store,
-                                     events=self.events, run_dir=self.run_dir) if c.checkpoint is not None else None)
+        self.disk = self._disk_checkpoints(c.checkpoint) if c.checkpoint is not None else None
         if self.disk is None and self.run_dir is not None and (self.run_dir / "checkpoints").is_dir():
             # Checkpoints without a checkpoint config: a preemption's (resilient_train.preempt), to resume from.
-            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0, mode="disabled"), rank=rank,
-                                        world_size=self.env.world_size, store=self.store, events=self.events,
-                                        run_dir=self.run_dir)
+            self.disk = self._disk_checkpoints(default_checkpoint_config(self.run_dir, every=0, mode="disabled"))
         if self.disk is not None:
             parts.append(DiskPart(self.disk, self._enter, steps=c.steps))
         self.snapshot: SnapshotPart | None = None
@@ -253,6 +251,15 @@ class Supervisor:
                                training=lambda: self.lifecycle.state is _S.TRAINING)
         if self.env.replacement:
             self.stepper.live = None  # a replacement holds nothing until it is healed
+
+    def _disk_checkpoints(self, config: CheckpointConfig) -> DiskCheckpoints:
+        """Sharded state goes to disk in DCP's form, each rank its own chunks: the first member of each replica
+        class writes the class's (resilient_train.dcp_state)."""
+        rank, world, spec = self.env.rank, self.env.world_size, self._mesh_spec
+        return DiskCheckpoints(config, rank=rank, world_size=world, store=self.store, events=self.events,
+                               run_dir=self.run_dir, sharded=self._sharded is not None,
+                               first_replica=spec.first_replica(rank, world) if spec is not None else True,
+                               suspended=lambda: self.stepper.gate.suspended())
 
     # ------------------------------------------------------------ lifecycle
     def _join(self) -> SupervisorState:
@@ -329,9 +336,7 @@ class Supervisor:
         if self.disk is None:
             if self.run_dir is None:
                 raise UsageError("preempted without a run directory to write the checkpoint to")
-            self.disk = DiskCheckpoints(default_checkpoint_config(self.run_dir, every=0, mode="disabled"), rank=rank,
-                                        world_size=self.env.world_size, store=self.store, events=self.events,
-                                        run_dir=self.run_dir)
+            self.disk = self._disk_checkpoints(default_checkpoint_config(self.run_dir, every=0, mode="disabled"))
         if not any(isinstance(part, DiskPart) for part in self.parts.parts):
             self.disk.on_generation(self.store, self.generation)  # a DiskPart would have done both
             self.disk.prepare(state)
@@ -405,6 +410,8 @@ class Supervisor:
         if loaded is None and plan.source is ResumeSource.DISK:
             raise JoinError("no live replica holds a recoverable step and there is no checkpoint to fall back on")
         if loaded is not None:
+            if self.buddy is not None:
+                self.buddy.resumed(loaded)  # copies of later boundaries belong to steps that are redone
             self.events.emit("resumed_from_disk", rank=self.env.rank, step=loaded, generation=plan.generation)
             if self.env.rank == 0:
                 print(f"resilient-train: resumed from the checkpoint of step {loaded}", file=sys.stderr, flush=True)
@@ -587,9 +594,6 @@ class Supervisor:
                              "copies (SupervisorConfig.buddy_every)")
         if c.rerun.enabled:
             raise UsageError("the rerun machine does not support sup.sharded yet")
-        if c.checkpoint is not None:
-            raise UsageError("disk checkpoints of sup.sharded state are not supported yet: each rank's shards "
-                             "would need DCP's sharded metadata (final/ is written, gathered)")
 
     def _gather_sharded(self) -> None:
         """Every rank: the sharded model and optimizer as full tensors, on rank 0 (DCP's state_dict API)."""

@@ -1,20 +1,25 @@
-"""FSDP2 (examples/train_fsdp.py) under the supervisor: the right final state, and recoveries without disk.
+"""FSDP2 (examples/train_fsdp.py) under the supervisor: the right final state, recoveries without disk, and
+disk checkpoints of sharded state.
 
 Pure FSDP has no replica of a shard: a lost rank heals from the buddy copy its
-ring neighbour keeps in host memory. Every verdict is bitwise, against the same
+ring neighbour keeps in host memory; a rank lost with its buddy falls back on
+the newest checkpoint, which each rank wrote its own shards of, and which loads
+resharded on another world size or a data-parallel model. Every verdict is bitwise, against the same
 job run without faults, or against a plain FSDP2 loop with no runtime at all.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from checkpointing import diff_states, read_state
-from jobs import REPO, Job, ckpt_diff, run_script, survivors_kept_pids
+from checkpointing.dcp_io import METADATA_FILE, load_metadata
+from jobs import GPT, REPO, SMALL_GPT, Job, ckpt_diff, run_script, survivors_kept_pids
 
 FSDP = REPO / "examples" / "train_fsdp.py"
 TP = REPO / "examples" / "train_tp.py"
@@ -143,3 +148,120 @@ def test_a_replicated_shard_heals_from_its_replica(tmp_path, tmp_path_factory, s
     # Mesh (2, 2), replicated along its first dimension: ranks r and r + 2 hold the same shards.
     assert replaced and all(not e["from_buddy"] and e["from_rank"] == (e["rank"] + 2) % 4 for e in replaced), replaced
     assert not job.of("buddy_refresh")
+
+
+# ---- disk checkpoints of sharded state: the fallback when no replica or buddy copy is left, and resharding
+
+CKPT = ("--ckpt-every", "2", "--ckpt-mode", "disabled")  # blocking saves: step 4's is committed before step 5
+
+
+def same_train_state(ref_dir, ours_dir, parts=("model", "optimizer", "replicated")) -> None:
+    ref, _ = read_state(ref_dir)
+    ours, _ = read_state(ours_dir)
+    for part in parts:
+        assert diff_states(ref[part], ours[part]) is None, (part, diff_states(ref[part], ours[part]))
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_and_its_buddy_lost_at_once_resume_from_disk(tmp_path, tmp_path_factory):
+    """2 ranks: each holds the other's buddy copy, and both are SIGKILLed in step 5: no copy of either shard
+    is left. Every rank loads the checkpoint of step 4 (its own shards) and the steps are redone, bitwise.
+    (Should one rank see the other's death before reaching its own fault, it heals from its buddy, dies on
+    the replay with no copy left, and the job resumes from step 4 all the same.)"""
+    faults = [{"kind": "kill", "rank": r, "step": 5, "phase": "forward"} for r in (0, 1)]
+    job = run_fsdp(tmp_path / "run", nproc=2, steps=8, faults=faults, extra=CKPT)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert {(e["rank"], e["step"]) for e in job.of("fault_injected")} == {(0, 5), (1, 5)}
+    resumed = job.of("resumed_from_disk")
+    assert sorted(e["rank"] for e in resumed) == [0, 1] and {e["step"] for e in resumed} == {4}, resumed
+    assert "resumed from the checkpoint of step 4" in job.stderr
+    ref = fault_free(tmp_path_factory, 2, 8, extra=CKPT)
+    d = ckpt_diff(ref.run_dir / "final", job.run_dir / "final")
+    assert d.returncode == 0, f"final state differs from the fault-free run: {d.stdout}{d.stderr}"
+    # The sharded checkpoint written after the recovery holds the same tensors, read whole.
+    same_train_state(ref.run_dir / "checkpoints" / "step-8", job.run_dir / "checkpoints" / "step-8")
+
+
+@pytest.mark.timeout(300)
+def test_a_two_rank_checkpoint_resumes_on_three_ranks(tmp_path, tmp_path_factory):
+    """The same command on another world size resumes from the newest checkpoint, resharded: the state it
+    holds (rows of 256 cut 3 ways now) is the gathered state of the run that wrote it, bit for bit."""
+    ref = fault_free(tmp_path_factory, 2, 8, extra=CKPT)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(ref.run_dir / "checkpoints", run_dir / "checkpoints")
+    job = run_fsdp(run_dir, nproc=3, steps=8, extra=CKPT)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert sorted((e["rank"], e["step"]) for e in job.of("resumed_from_disk")) == [(0, 8), (1, 8), (2, 8)]
+    same_train_state(ref.run_dir / "final", run_dir / "final")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_four_ranks_lose_a_rank_and_its_buddy_holder_at_once(tmp_path, tmp_path_factory):
+    """4 ranks: rank 0 dies in step 5; as the job is about to heal it from rank 1's copy, ranks 1 and 2 are
+    SIGKILLed at once (rank 1 held rank 0's copy, rank 2 held rank 1's; a fault at the rendezvous fires on
+    both, a fault in a step would let one see the other's death first). Ranks 0 and 1 have no copy left:
+    every rank, the survivor 3 too, loads the checkpoint of step 4 and replays."""
+    extra = CKPT
+    faults = [{"kind": "kill", "rank": 0, "step": 5, "phase": "forward"},
+              {"kind": "kill", "rank": 1, "step": 5, "phase": "rendezvous"},
+              {"kind": "kill", "rank": 2, "step": 5, "phase": "rendezvous"}]
+    job = run_fsdp(tmp_path / "run", nproc=4, steps=8, faults=faults, extra=extra, timeout=500)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert {(e["rank"], e["phase"]) for e in job.of("fault_injected")} == {(f["rank"], f["phase"]) for f in faults}
+    resumed = job.of("resumed_from_disk")
+    assert sorted(e["rank"] for e in resumed) == [0, 1, 2, 3] and {e["step"] for e in resumed} == {4}, resumed
+    survivors_kept_pids(job, killed={0, 1, 2})
+    d = ckpt_diff(fault_free(tmp_path_factory, 4, 8, extra=extra).run_dir / "final", job.run_dir / "final")
+    assert d.returncode == 0, f"final state differs from the fault-free run: {d.stdout}{d.stderr}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_four_rank_fsdp_checkpoint_loads_on_2_and_3_ranks_and_under_ddp(tmp_path):
+    """A checkpoint of 4 FSDP ranks (asynchronous saves, each rank its own shards) loads resharded on 2 and
+    3 FSDP ranks and into a data-parallel model (examples/train_gpt.py): model and optimizer bitwise equal to
+    the state the 4 ranks gathered at the same step."""
+    src = run_fsdp(tmp_path / "fsdp4", nproc=4, steps=4, extra=("--ckpt-every", "4"))
+    assert src.returncode == 0, src.stderr[-3000:]
+    checkpoint = src.run_dir / "checkpoints" / "step-4"
+    same_train_state(src.run_dir / "final", checkpoint)  # read whole, the shards are the gathered state
+    for nproc in (2, 3):
+        run_dir = tmp_path / f"fsdp{nproc}"
+        run_dir.mkdir()
+        shutil.copytree(src.run_dir / "checkpoints", run_dir / "checkpoints")
+        job = run_fsdp(run_dir, nproc=nproc, steps=4, extra=("--ckpt-every", "4"))
+        assert job.returncode == 0, job.stderr[-3000:]
+        assert sorted(e["rank"] for e in job.of("resumed_from_disk")) == list(range(nproc))
+        same_train_state(src.run_dir / "final", run_dir / "final")
+    run_dir = tmp_path / "ddp2"
+    run_dir.mkdir()
+    shutil.copytree(src.run_dir / "checkpoints", run_dir / "checkpoints")
+    job = run_script(run_dir, GPT, ["--steps", "4", *SMALL_GPT, "--ckpt-every", "4"], nproc=2)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert {e["step"] for e in job.of("resumed_from_disk")} == {4}
+    ref, _ = read_state(src.run_dir / "final")
+    ours, _ = read_state(run_dir / "final")
+    assert diff_states(ref["model"], ours["model"]) is None, diff_states(ref["model"], ours["model"])
+    # A data-parallel optimizer keys its state by parameter index, DCP's by name (same order).
+    names = ref["optimizer"]["param_groups"][0]["params"]
+    by_name = {"state": {names[i]: s for i, s in ours["optimizer"]["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                for g in ours["optimizer"]["param_groups"]]}
+    assert diff_states(ref["optimizer"], by_name) is None, diff_states(ref["optimizer"], by_name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("script,extra", [(FSDP, ("--replicas", "2")), (TP, ("--tp", "2"))], ids=["hsdp-2x2", "tp-dp-2x2"])
+def test_replicated_shards_are_written_once_and_hold_the_gathered_state(tmp_path, script, extra):
+    """HSDP 2x2 and TP x DP 2x2: ranks 2 and 3 hold the same shards as ranks 0 and 1 and write none of them
+    (only their own local state); read whole, the checkpoint is the state the job gathered at that step."""
+    job = run_fsdp(tmp_path / "run", nproc=4, steps=4, extra=(*extra, "--ckpt-every", "4"), script=script)
+    assert job.returncode == 0, job.stderr[-3000:]
+    checkpoint = job.run_dir / "checkpoints" / "step-4"
+    md = load_metadata(checkpoint / METADATA_FILE)
+    files = {info.relative_path for index, info in md.storage_data.items() if not index.fqn.startswith("__rank")}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}, files
+    same_train_state(job.run_dir / "final", checkpoint)

@@ -34,6 +34,15 @@ def test_replica_classes_follow_the_mesh():
 
 
 @pytest.mark.timeout(10)
+def test_the_first_replica_of_each_class_writes_its_shards_to_disk():
+    assert all(MeshSpec(shape=(-1,), names=("shard",)).first_replica(r, 3) for r in range(3))
+    hsdp = MeshSpec(shape=(2, -1), names=("replicate", "shard"), replicate=("replicate",))
+    assert [hsdp.first_replica(r, 4) for r in range(4)] == [True, True, False, False]
+    tp_dp = MeshSpec(shape=(-1, 2), names=("dp", "tp"), replicate=("dp",))
+    assert [tp_dp.first_replica(r, 6) for r in range(6)] == [True, True, False, False, False, False]
+
+
+@pytest.mark.timeout(10)
 def test_a_lost_shard_with_no_replica_heals_from_its_buddy():
     # Pure FSDP on 3 ranks: rank 1 died in step 6; rank 2 holds rank 1's copies of 5 and 6.
     members = {0: _m(0, 6, [5, 6, 7], own=[5, 6], buddy={2: [5, 6]}),
