@@ -135,7 +135,7 @@ def main() -> None:
                     results.setdefault((script, launcher), []).append(r)
                     print(f"  {script:8} {launcher:16} run {n}: "
                           + ("hung" if r[1] else f"{r[0]:.2f} s"), file=sys.stderr, flush=True)
-    print(f"| script | launcher | kill → next iteration, s (median; runs) | runs that hung or failed |")
+    print("| script | launcher | kill → next iteration, s (median; runs) | runs that hung or failed |")
     print("|---|---|---|---|")
     for script in ("loop", "nanogpt"):
         medians = {}

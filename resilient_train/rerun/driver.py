@@ -23,7 +23,7 @@ from typing import Any, Callable, NoReturn
 
 from resilient_train.rerun.machine import Classification, RerunMachine, RerunState
 from resilient_train.rerun.policy import (
-    EXIT_RERUN_ELSEWHERE, EXIT_VALIDATION_FAILED, OnGenuine, RerunConfig, RerunMode, peer_for, same_result,
+    EXIT_RERUN_ELSEWHERE, EXIT_VALIDATION_FAILED, OnGenuine, RerunConfig, peer_for, same_result,
     swap_assignment,
 )
 from resilient_train.rerun.validators import StepResult, Verdict
