@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from resilient_train import env as envvars
 from resilient_train import exitcodes
 from resilient_train.errors import UsageError
+from resilient_train.phased import forward_in_phases
 from resilient_train.reducer import GradientReducer
 from resilient_train.store import request_stop
 
@@ -69,18 +70,7 @@ class ReplicatedModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._ddp is None:
             raise UsageError("the DDP model was called outside sup.run: it exists once a generation's group is built")
-        self._phase("forward")
-        out = self._ddp(*args, **kwargs)
-        if torch.is_grad_enabled():
-            for t in _tensors(out):
-                if t.requires_grad:
-                    t.register_hook(self._backward_starts)
-                    break
-        return out
-
-    def _backward_starts(self, grad: torch.Tensor) -> torch.Tensor:
-        self._phase("backward")
-        return grad
+        return forward_in_phases(self._ddp, self._phase, *args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -90,16 +80,6 @@ class ReplicatedModule(torch.nn.Module):
         with self._ddp.no_sync():
             yield
 
-
-def _tensors(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, dict):
-        for v in out.values():
-            yield from _tensors(v)
-    elif isinstance(out, (list, tuple)):
-        for v in out:
-            yield from _tensors(v)
 
 
 def find_ddp(module: torch.nn.Module) -> list[DDP]:

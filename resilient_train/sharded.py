@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from resilient_train.errors import UsageError
+from resilient_train.phased import forward_in_phases
 
 __all__ = ["Parallelize", "ShardedModule", "remap_optimizer"]
 
@@ -109,19 +110,7 @@ class ShardedModule(torch.nn.Module):
 
     # ---------------------------------------------------------- nn.Module
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        self._phase("forward")
-        out = module(*args, **kwargs)
-        if torch.is_grad_enabled():
-            for t in _tensors(out):
-                if t.requires_grad:
-                    t.register_hook(self._backward_starts)
-                    break
-        return out
-
-    def _backward_starts(self, grad: torch.Tensor) -> torch.Tensor:
-        self._phase("backward")
-        return grad
+        return forward_in_phases(self.module, self._phase, *args, **kwargs)
 
     def _target(self) -> torch.nn.Module:
         return self._current if self._current is not None else self._template
@@ -197,13 +186,3 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(module, memo)
 
-
-def _tensors(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, dict):
-        for v in out.values():
-            yield from _tensors(v)
-    elif isinstance(out, (list, tuple)):
-        for v in out:
-            yield from _tensors(v)
