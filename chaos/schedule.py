@@ -139,6 +139,15 @@ class RandomSchedule:
     The same seed and job give the same list, fault for fault. Step-pinned gaps
     make a run reproducible too; wall-clock gaps fire at the first matching
     phase after the offset, wherever the run then is.
+
+    ``min_gap_steps`` keeps step-pinned faults that many steps apart. Two faults
+    a step apart race: ranks a step ahead of a faulted peer can reach the
+    second fault's phase while the first is being detected, and whichever the
+    run sees first ends the step in which the other would have fired (a fault
+    between steps ``s`` and ``s+1`` is never reached again once the run resumes
+    past ``s``). Two steps apart, the step's all-reduce holds every rank back
+    until the first fault is recovered: a scenario that needs every fault to
+    fire (``invariants.min_faults`` = ``count``) sets ``min_gap_steps: 2``.
     """
 
     seed: int
@@ -150,9 +159,14 @@ class RandomSchedule:
     phases: tuple[str, ...] = STEP_PHASES
     duration_s: float | None = None  # for lasting kinds (slow, store-outage)
     ranks: tuple[int, ...] | None = None  # targets to draw from (default: every rank)
+    min_gap_steps: int = 0  # step-pinned faults at least this many steps apart (see above)
 
     def __post_init__(self) -> None:
         require_int(self.seed, "random schedule: seed")
+        require_int(self.min_gap_steps, "random schedule: min_gap_steps", low=0)
+        if self.min_gap_steps and self.mtbf_s is not None:
+            raise ValueError("random schedule: min_gap_steps applies to mtbf_steps (faults pinned to steps), "
+                             "not to mtbf_s")
         if (self.mtbf_steps is None) == (self.mtbf_s is None):
             raise ValueError("random schedule: give exactly one of mtbf_steps and mtbf_s")
         mean = self.mtbf_steps if self.mtbf_steps is not None else self.mtbf_s
@@ -186,10 +200,14 @@ class RandomSchedule:
         t = self.start
         mean = self.mtbf_steps or self.mtbf_s
         assert mean is not None
+        last: int | None = None
         for _ in range(self.count):
             t += rng.expovariate(1.0 / mean)
+            if self.min_gap_steps and last is not None and int(t) < last + self.min_gap_steps:
+                t = float(last + self.min_gap_steps)
             kind, rank, phase = rng.choice(self.kinds), rng.choice(targets), rng.choice(self.phases)
             when: dict[str, Any] = {"at_s": round(t, 3)} if self.mtbf_s else {"step": int(t)}
+            last = int(t)
             if "step" in when and when["step"] >= steps:
                 raise ValueError(
                     f"random schedule: fault {len(out) + 1} of {self.count} falls at step {when['step']}, "

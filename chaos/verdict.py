@@ -48,8 +48,10 @@ def check_invariants(
         checks.append(Check(name="valid_latest", ok=ok, detail=detail))
     fired = [t for t in timelines if t.injected is not None]
     if inv.min_faults:
+        missing = [t.label for t in timelines if t.injected is None]
         checks.append(Check(name="min_faults", ok=len(fired) >= inv.min_faults,
-                            detail=f"{len(fired)} of {len(timelines)} planned faults fired (need {inv.min_faults})"))
+                            detail=f"{len(fired)} of {len(timelines)} planned faults fired (need {inv.min_faults})"
+                            + (f"; never fired: {', '.join(missing[:5])}" if missing else "")))
     if inv.recovered:
         checks.extend(_recovery_checks(inv, timelines, fired))
     return checks

@@ -37,6 +37,17 @@ def test_random_schedule_is_reproducible_from_its_seed() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_random_schedule_keeps_its_minimum_gap_between_faults() -> None:
+    dense = RandomSchedule(seed=3, count=40, mtbf_steps=3)
+    steps = [f.step for f in dense.plan(world_size=4, steps=2000)]
+    assert min(b - a for a, b in zip(steps, steps[1:])) < 2  # the draw alone puts some faults a step apart
+    spaced = [f.step for f in RandomSchedule(seed=3, count=40, mtbf_steps=3, min_gap_steps=2).plan(world_size=4, steps=2000)]
+    assert len(spaced) == 40 and min(b - a for a, b in zip(spaced, spaced[1:])) >= 2
+    with pytest.raises(ValueError, match="min_gap_steps applies to mtbf_steps"):
+        RandomSchedule(seed=3, count=4, mtbf_s=2.0, min_gap_steps=2)
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "over,message",
     [

@@ -69,7 +69,8 @@ _FIELDS = {
     "job": ["script", "args", "ranks", "steps", "steps_arg", "monitor", "env", "max_restarts", "spare"],
     "invariants": ["completes", "bitwise", "detect_timeout_s", "recover_timeout_s", "max_steps_redone", "min_faults"],
     "fault": ["kind", "rank", "ranks", "phase", "step", "at_s", "duration_s", "detect_timeout_s"],
-    "random": ["seed", "count", "mtbf_steps", "mtbf_s", "start", "kinds", "phases", "duration_s", "ranks"],
+    "random": ["seed", "count", "mtbf_steps", "mtbf_s", "start", "kinds", "phases", "duration_s", "ranks",
+               "min_gap_steps"],
 }
 
 
