@@ -54,25 +54,28 @@ class CountingStore:
     def __init__(self, inner: dist.Store, tally: "Tally") -> None:
         self._inner, self._t = inner, tally
 
-    def _n(self, *parts: Any) -> None:
+    def _n(self, *parts: Any, trips: int = 1) -> None:
         self._t.ops += 1
+        self._t.trips += trips
         self._t.bytes += sum(len(p) if isinstance(p, (str, bytes)) else 8 for p in parts)
+
+    def set_timeout(self, timeout: timedelta) -> None:  # the client's own setting: no request
+        self._inner.set_timeout(timeout)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._n(key, value)
         self._inner.set(key, value)
+        if "/member/" in key:
+            self._t.joined_at = time.monotonic()
 
     def get(self, key: str) -> bytes:
         v = self._inner.get(key)
-        self._n(key, v)
+        self._n(key, v, trips=2)  # TCPStore's get is a wait, then the get
         return v
 
     def add(self, key: str, amount: int) -> int:
         self._n(key, amount)
-        v = self._inner.add(key, amount)
-        if amount == 1 and key.endswith("/joined"):
-            self._t.joined_at = time.monotonic()
-        return v
+        return self._inner.add(key, amount)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         v = self._inner.compare_set(key, expected, desired)
@@ -92,12 +95,16 @@ class CountingStore:
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         vs = self._inner.multi_get(keys)
-        self._n(*keys, *vs)
+        self._n(*keys, *vs, trips=2)
         return vs
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         self._n(*keys, *values)
         self._inner.multi_set(keys, values)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout
 
     def clone(self) -> "CountingStore":
         return CountingStore(self._inner.clone(), self._t)
@@ -105,7 +112,8 @@ class CountingStore:
 
 @dataclass
 class Tally:
-    ops: int = 0
+    ops: int = 0  # calls of the store's methods
+    trips: int = 0  # request-reply exchanges on the wire (a get is two: TCPStore waits for the key first)
     bytes: int = 0
     joined_at: float = 0.0
 
@@ -148,6 +156,7 @@ class SimRank:
         self.live: int | None = None if self.replacement else 0
         self.fresh = not self.replacement
         self.new_process = True
+        self.moved_to: int | None = None
 
     def _on_moved(self) -> None:
         self.seen_at = time.monotonic()
@@ -158,8 +167,9 @@ class SimRank:
                               local_steps=self.slots.steps(self.rank), replacement=self.replacement,
                               fresh=self.fresh, new_process=self.new_process)
 
+        moved_to, self.moved_to = self.moved_to, None
         plan = rendezvous.enter_generation(self.store, world_size=self.cfg.world_size, me=me,
-                                           timeout=self.cfg.timeout_s, stopped=lambda: None)
+                                           timeout=self.cfg.timeout_s, stopped=lambda: None, moved_to=moved_to)
         self.watcher.watch(plan.generation)
         t = time.monotonic()
         self.fresh = self.new_process = False
@@ -171,8 +181,9 @@ class SimRank:
     def recover(self) -> None:
         """What the supervisor's _recover does with the store: report the fault (idempotent), read its cause."""
         g = self.watcher.generation
-        rendezvous.report_fault(self.store, g, {"rank": self.rank, "kind": "GenerationFailed", "time": time.time()},
-                                world_size=self.cfg.world_size, woken=self.watcher.moved.is_set())
+        _, _, self.moved_to = rendezvous.leave_generation(
+            self.store, g, {"rank": self.rank, "kind": "GenerationFailed", "time": time.time()},
+            world_size=self.cfg.world_size, watcher=self.watcher)
 
     def step(self, step: int, payload: bytes) -> None:
         self.slots.publish(self.rank, step, payload)  # the stepper's publish at its vote
@@ -272,8 +283,8 @@ def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: lis
                 sims[s.rank] = s
         elif cmd == "tally":
             every = [*sims.values(), *spare_sims.values()]
-            conn.send({"ops": sum(s.tally.ops for s in every), "bytes": sum(s.tally.bytes for s in every),
-                       "ranks": len(sims)})
+            conn.send({"ops": sum(s.tally.ops for s in every), "trips": sum(s.tally.trips for s in every),
+                       "bytes": sum(s.tally.bytes for s in every), "ranks": len(sims)})
             continue
         elif cmd == "results":
             conn.send({"errors": errors, "results": {s.rank: s.results.get(arg) for s in sims.values()}})
@@ -354,6 +365,7 @@ class _Bench:
         return {"t": time.monotonic(), "cpu": _proc_cpu(self.server.pid), "io": _proc_io(self.server.pid),
                 "client_cpu": sum(_proc_cpu(p.pid) for p in self.procs),
                 "ops": sum(x["ops"] for x in t) + self.agent_tally.ops,
+                "trips": sum(x["trips"] for x in t) + self.agent_tally.trips,
                 "bytes": sum(x["bytes"] for x in t) + self.agent_tally.bytes}
 
     def results(self, phase: str) -> dict[int, dict[str, Any]]:
@@ -375,6 +387,7 @@ def _delta(a: dict[str, float], b: dict[str, float], n: int) -> dict[str, float]
     # Bytes: keys and values as the clients send and receive them (the server's own socket counters in /proc miss
     # the send/recv of the agent's kind of TCPStore on this sandbox).
     return {"wall_s": b["t"] - a["t"], "server_cpu_s": b["cpu"] - a["cpu"], "ops_per_rank": (b["ops"] - a["ops"]) / n,
+            "trips_per_rank": (b["trips"] - a["trips"]) / n,
             "client_cpu_s": b["client_cpu"] - a["client_cpu"],
             "server_io_bytes_per_rank": (b["io"] - a["io"]) / n, "payload_bytes_per_rank": (b["bytes"] - a["bytes"]) / n}
 
@@ -442,13 +455,14 @@ def _row(size: dict[str, Any]) -> str:
     a, c, s = size["one_lost"], size["pct_lost"], size["steady"]
     return (f"| {size['world_size']} | {a['seen_s']:.3f} / {a['joined_s']:.3f} / {a['plan_s']:.3f} "
             f"| {c['lost']}: {c['seen_s']:.3f} / {c['joined_s']:.3f} / {c['plan_s']:.3f} "
-            f"| {a['ops_per_rank']:.1f} / {a['payload_bytes_per_rank'] / 1e3:.1f} | {a['server_cpu_s']:.2f} / {a['client_cpu_s']:.2f} "
+            f"| {a['ops_per_rank']:.1f} / {a['trips_per_rank']:.1f} / {a['payload_bytes_per_rank'] / 1e3:.1f} "
+            f"| {a['server_cpu_s']:.2f} / {a['client_cpu_s']:.2f} "
             f"| {s['ops_per_rank']:.1f} / {s['payload_bytes_per_rank'] / 1e3:.1f} | {s['server_cpu_s']:.3f} "
             f"| {size['start']['wall_s']:.2f} |")
 
 
 HEADER = ("| N | one lost: seen / joined / plan (s) | 1% lost: k: seen / joined / plan (s) "
-          "| change: requests / KB per rank | change: CPU s, server / simulated ranks | per step: requests / KB per rank | per step: server CPU s "
+          "| change: calls / round trips / KB per rank | change: CPU s, server / simulated ranks | per step: requests / KB per rank | per step: server CPU s "
           "| first join s |\n|---|---|---|---|---|---|---|---|")
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from resilient_train.errors import GenerationFailed
 from resilient_train.generation import RunFinished
-from resilient_train.store import Keys, current_generation, settle, wait_until
+from resilient_train.store import Keys, current_generation, fail_join, wait_until
 from resilient_train.local_state import LocalSlots
 from resilient_train.train_state import TrainState
 
@@ -55,7 +55,7 @@ def finish_run(
         store.set(Keys.FINAL, str(generation))
         current = current_generation(store)
         if current > generation:  # a replacement may be joining a generation nobody else will: it looks now
-            settle(store, current, Keys.FAILED)
+            fail_join(store, current, world_size=world_size)
     else:
         wait_or_fail(lambda: store.check([Keys.FINAL]), "the final state")
 

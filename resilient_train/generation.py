@@ -1,14 +1,15 @@
 """Joining a generation and agreeing on where it resumes.
 
-Every rank (a survivor or a replacement) publishes what it holds and counts
-itself in. The rank whose count completes the world reads every membership
-in one request, computes the :class:`ResumePlan` and writes it once to the
-generation's ``settled`` key; every rank waits on that key (a wait the store
-answers, not a poll) and reads the plan: O(N) requests for the whole world,
-where every rank reading every other rank's membership was O(N^2). A
-generation declared failed before its plan settles the same key as FAILED
-(:func:`resilient_train.store.interrupt_generation`): whichever comes first
-holds for every rank, and the ranks move on to the next generation.
+Every rank (a survivor or a replacement) publishes what it holds (a ``set``:
+the store sends no reply). The planner (rank 0) waits for every membership,
+reads them in one request, computes the :class:`ResumePlan` and settles the
+generation with it; every other rank reads the generation's outcome with one
+``get`` the store answers when it is written: two calls per rank and O(N)
+requests for the whole world, where every rank reading every other rank's
+membership was O(N^2). A generation declared failed before its plan settles
+as FAILED (:func:`resilient_train.store.fail_join`, which also ends the
+planner's wait): whichever comes first holds for every rank, and the ranks
+move on to the next generation.
 
 What a rank holds after a fault (see docs/design.md, "Recovery from live
 replicas"): its *live* state is exactly the boundary it last reached, unless
@@ -22,15 +23,15 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from enum import Enum
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from resilient_train.errors import GenerationFailed
-from resilient_train.store import Keys, StoreTimeout, current_generation, settle, wait_until
+from resilient_train.store import Keys, StoreTimeout, current_generation, read_fault, settle, wait_until
 
 __all__ = [
     "GenerationFailed", "JoinError", "Membership", "ResumePlan", "ResumeSource", "RunFinished",
@@ -96,6 +97,9 @@ class ResumePlan:
     buddy_from: dict[int, int] = field(default_factory=dict)
     # Ranks whose process joined for the first time in this generation, replacing a lost one.
     replacements: list[int] = field(default_factory=list)
+    # The fault that ended the generation before (its first report), read once by the planner: a rank woken
+    # by it joined without reading it.
+    cause: dict[str, Any] | None = None
 
     @property
     def healed(self) -> list[int]:
@@ -105,14 +109,16 @@ class ResumePlan:
         """What every rank reads: O(ranks that heal), not O(world) (the memberships stay with the planner)."""
         return json.dumps({"generation": self.generation, "source": self.source.value, "step": self.step,
                            "heal_from": sorted(self.heal_from.items()), "from_snapshot": self.from_snapshot,
-                           "buddy_from": sorted(self.buddy_from.items()), "replacements": self.replacements})
+                           "buddy_from": sorted(self.buddy_from.items()), "replacements": self.replacements,
+                           "cause": self.cause})
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "ResumePlan":
         d = json.loads(data)
         return cls(generation=int(d["generation"]), source=ResumeSource(d["source"]), step=d["step"],
                    heal_from={int(t): int(f) for t, f in d["heal_from"]}, from_snapshot=list(d["from_snapshot"]),
-                   buddy_from={int(t): int(h) for t, h in d["buddy_from"]}, replacements=list(d["replacements"]))
+                   buddy_from={int(t): int(h) for t, h in d["buddy_from"]}, replacements=list(d["replacements"]),
+                   cause=d.get("cause"))
 
 
 def _replacements(members: dict[int, Membership]) -> list[int]:
@@ -168,7 +174,8 @@ def plan_resume(generation: int, members: dict[int, Membership]) -> ResumePlan:
         from_snapshot += restoring
         if not sources:
             sources = restoring  # they restore their own copy first, then serve it
-        targets = [r for r in ranks if r not in sources and r not in restoring]
+        keep = {*sources, *restoring}
+        targets = [r for r in ranks if r not in keep]
         for i, t in enumerate(targets):
             if sources:
                 # Spread the targets over the sources: each source sends to about the same number of ranks.
@@ -190,8 +197,12 @@ def join_generation(
     timeout: float,
     finished: Callable[[], bool] = lambda: False,
     stopped: Callable[[], None] = lambda: None,
+    generation: int | None = None,
 ) -> ResumePlan:
     """Joins the current generation; moves to the next one each time it fails.
+
+    ``generation``: the one to try first without reading the store's (what a
+    rank's wake named: the generation the fault moved the run to).
 
     ``me()`` is called once per generation tried (what a rank holds does not
     change while it waits, but it is read fresh). Raises :class:`RunFinished`
@@ -202,21 +213,19 @@ def join_generation(
     """
     deadline = time.monotonic() + timeout
     while True:
-        g = current_generation(store)
+        g = generation if generation is not None else current_generation(store)
+        generation = None
         member = me()
-        store.set(Keys.member(g, member.rank), member.to_json())
-        if store.add(Keys.joined(g), 1) == world_size:
-            _settle(store, g, world_size)  # this rank completed the world: it plans for everyone
-        left = deadline - time.monotonic()
-        try:
-            store.wait([Keys.settled_bell(g)], timedelta(seconds=max(left, 0.001)))
-        except dist.DistStoreError:
+        store.set(Keys.member(g, member.rank), member.to_json())  # a set has no reply: nothing to wait for
+        if member.rank == PLANNER:
+            _plan(store, g, world_size, deadline)
+        settled = _outcome(store, g, deadline)
+        if settled is None:
             stopped()
             if finished():
                 raise RunFinished() from None
             raise JoinError(f"timed out after {timeout:.1f} s waiting for all {world_size} ranks to join "
                             f"generation {g}") from None
-        settled = store.get(Keys.settled(g))
         if settled.decode() != Keys.FAILED:
             # Every rank joined: the run cannot have finished without them, and a stop from now on
             # interrupts this generation, which its watcher sees.
@@ -231,8 +240,40 @@ def join_generation(
             raise JoinError(str(e)) from None
 
 
-def _settle(store: dist.Store, g: int, world_size: int) -> None:
-    """Every membership of ``g`` in one request, the plan, written once (unless ``g`` already failed)."""
-    values = store.multi_get([Keys.member(g, r) for r in range(world_size)])
+PLANNER = 0  # the rank that plans every generation: it waits for every membership, the others for the plan
+
+
+def _plan(store: dist.Store, g: int, world_size: int, deadline: float) -> None:
+    """Every membership of ``g`` (one wait, one read), the plan, written once (unless ``g`` already failed).
+
+    A generation that fails first ends the wait too: :func:`resilient_train.store.fail_join` fills the
+    memberships still missing with FAILED, and the plan is not made.
+    """
+    keys = [Keys.member(g, r) for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except dist.DistStoreError:
+        return  # the deadline: the plan's reader times out with everyone else
+    values = store.multi_get(keys)
+    if any(v == _FAILED_BYTES for v in values):
+        return  # the generation failed while it assembled: its outcome is FAILED
     members = {r: Membership.from_json(v) for r, v in enumerate(values)}
-    settle(store, g, plan_resume(g, members).to_json())
+    plan = plan_resume(g, members)
+    if g > 0:
+        plan = replace(plan, cause=read_fault(store, g - 1))
+    settle(store, g, plan.to_json())
+
+
+_FAILED_BYTES = Keys.FAILED.encode()
+
+
+def _outcome(store: dist.Store, g: int, deadline: float) -> bytes | None:
+    """``g``'s outcome (its plan, or FAILED) once it is written, in one call; None past the deadline."""
+    previous = store.timeout
+    store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    try:
+        return store.get(Keys.outcome(g))  # the store answers when the key is set
+    except dist.DistStoreError:
+        return None
+    finally:
+        store.set_timeout(previous)

@@ -27,7 +27,7 @@ from resilient_train.env import WorkerEnv
 
 __all__ = [
     "Keys", "StoreTimeout", "attempt_store", "connect_worker_store", "current_generation", "declare_fault",
-    "interrupt_generation", "job_store", "new_token", "read_fault", "read_stop", "report_fault", "request_stop",
+    "fail_join", "interrupt_generation", "job_store", "new_token", "read_fault", "read_stop", "report_fault", "request_stop",
     "settle", "wait_until",
 ]
 
@@ -48,10 +48,6 @@ class Keys:
         return f"rt/fault/{g}"
 
     @staticmethod
-    def joined(g: int) -> str:
-        return f"rt/gen/{g}/joined"
-
-    @staticmethod
     def member(g: int, rank: int) -> str:
         return f"rt/gen/{g}/member/{rank}"
 
@@ -66,15 +62,28 @@ class Keys:
 
     @staticmethod
     def wake(g: int, rank: int) -> str:
-        """Set when ``rank``'s watcher of generation ``g`` must look (the generation failed, the job stopped)."""
+        """Set when ``rank``'s watcher of generation ``g`` must look: to :meth:`moved_to` when the run moved on
+        to a next generation (a fault), to :attr:`LOOK` otherwise (the job stopped, the run finished)."""
         return f"rt/gen/{g}/wake/{rank}"
+
+    LOOK = "look"
+
+    @staticmethod
+    def moved_to(g: int) -> str:
+        return f"next/{g}"
+
+    @staticmethod
+    def next_generation(wake_value: bytes | str) -> int | None:
+        """The generation a wake value names (a fault moved the run there), or None (look at the store)."""
+        v = wake_value.decode() if isinstance(wake_value, bytes) else wake_value
+        return int(v[5:]) if v.startswith("next/") and v[5:].isdigit() else None
 
     FAILED = "failed"  # Keys.settled(g) when g failed before its plan was written
 
     @staticmethod
-    def settled_bell(g: int) -> str:
-        """Added to once ``settled(g)`` holds a value: what the joiners wait on (see :func:`settle`)."""
-        return f"rt/gen/{g}/settled_bell"
+    def outcome(g: int) -> str:
+        """``settled(g)``'s value, written with a ``set`` once it is decided: what the joiners read (see :func:`settle`)."""
+        return f"rt/gen/{g}/outcome"
 
     @staticmethod
     def done(g: int) -> str:
@@ -159,27 +168,46 @@ def report_fault(store: dist.Store, generation: int, cause: dict[str, Any], *, w
     if first or not woken:
         store.compare_set(Keys.GENERATION, str(generation), str(generation + 1))
         if first or not store.check([Keys.wake(generation, world_size - 1)]):
-            interrupt_generation(store, generation, world_size=world_size)
+            interrupt_generation(store, generation, world_size=world_size, moved_to=generation + 1)
+        if first and (store.check([Keys.FINAL]) or store.check([Keys.STOP])):
+            # The run finished or was stopped as it failed: rank 0 (or the stopper) settles the generation it
+            # read after writing FINAL (or STOP), which may be the one before this move. Woken ranks join
+            # generation + 1 without looking (their wake names it): it must not wait for ranks that have left.
+            fail_join(store, generation + 1, world_size=world_size)
     return first, json.loads(standing)
 
 
-def settle(store: dist.Store, generation: int, value: str) -> None:
-    """``generation``'s join ends with ``value`` (its plan, or FAILED) unless it already ended.
+def settle(store: dist.Store, generation: int, value: str) -> str:
+    """``generation``'s join ends with ``value`` (its plan, or FAILED) unless it already ended; returns the
+    value that stands.
 
-    The value is a ``compare_set`` (the first wins, for everyone); the waiters
-    are woken by an ``add`` beside it, because the store the agent hosts
+    The value is a ``compare_set`` (the first wins, for everyone); the joiners
+    read it from :meth:`Keys.outcome`, written with a ``set`` by whoever
+    settles (the same value, whoever wins), because the store the agent hosts
     (TCPStore without libuv, to take a listening socket) answers a ``wait``
-    on a ``set``, ``add`` or ``multi_set``, never on a ``compare_set``.
+    (and so a ``get``) on a ``set``, ``add`` or ``multi_set``, never on a ``compare_set``.
     """
-    store.compare_set(Keys.settled(generation), "", value)
-    store.add(Keys.settled_bell(generation), 1)
+    standing = store.compare_set(Keys.settled(generation), "", value)
+    store.set(Keys.outcome(generation), standing)
+    return standing.decode()
 
 
-def interrupt_generation(store: dist.Store, generation: int, *, world_size: int) -> None:
-    """Ends every wait on ``generation``: its join (settled as FAILED unless planned) and its ranks' watchers."""
-    settle(store, generation, Keys.FAILED)
+def fail_join(store: dist.Store, generation: int, *, world_size: int) -> None:
+    """``generation``'s join ends as FAILED unless it was planned; its planner's wait for memberships ends too
+    (those still missing read FAILED)."""
+    if settle(store, generation, Keys.FAILED) == Keys.FAILED:
+        store.multi_set([Keys.member(generation, r) for r in range(world_size)], [Keys.FAILED] * world_size)
+
+
+def interrupt_generation(store: dist.Store, generation: int, *, world_size: int, moved_to: int | None = None) -> None:
+    """Ends every wait on ``generation``: its join (settled as FAILED unless planned) and its ranks' watchers.
+
+    ``moved_to``: the generation the run moved to (a fault), which every watcher reads from its wake key,
+    so that its rank joins it without asking the store; None for a stop or the run's end (look).
+    """
+    fail_join(store, generation, world_size=world_size)
     keys = [Keys.wake(generation, r) for r in range(world_size)]
-    store.multi_set(keys, ["1"] * world_size)
+    store.multi_set(keys, [Keys.moved_to(moved_to) if moved_to is not None else Keys.LOOK] * world_size)
 
 
 def read_fault(store: dist.Store, generation: int) -> dict[str, Any] | None:

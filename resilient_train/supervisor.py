@@ -50,7 +50,7 @@ from resilient_train.preempt import Preemption
 from resilient_train.mesh import MeshSpec, build_mesh, release_mesh
 from resilient_train.parts import ChaosPart, CuptiPart, DiskPart, Part, Parts, ProgressPart, SnapshotPart
 from resilient_train.reducer import GradientReducer
-from resilient_train.rendezvous import enter_generation, interrupt_for_stop, report_fault
+from resilient_train.rendezvous import enter_generation, interrupt_for_stop, leave_generation
 from resilient_train.rerun.driver import RerunHooks
 from resilient_train.rerun.part import RerunPart
 from resilient_train.rerun.save import save_for_stop, shared_table
@@ -163,6 +163,7 @@ class Supervisor:
                            max_failed_generations=self.config.max_failed_generations)
         self._failure: tuple[str, str, Any] | None = None  # (type name, message, Failure) of the last fault
         self._timings: dict[str, float] = {}
+        self._moved_to: int | None = None  # the generation the last fault's wake named (joined without asking)
         self._stopped: JobStopped | None = None
         handlers: dict[SupervisorState, Callable[[], SupervisorState]] = {
             _S.JOINING: self._join, _S.RESTORING: self._restore, _S.TRAINING: lambda: self._train(step_fn),
@@ -276,8 +277,9 @@ class Supervisor:
                               own_steps=self.buddy.own_steps() if self.buddy is not None else [],
                               buddy_steps=self.buddy.offered() if self.buddy is not None else {})
 
+        moved_to, self._moved_to = self._moved_to, None
         plan = enter_generation(self.store, world_size=self.env.world_size, me=me,
-                                timeout=self.config.join_timeout_s, stopped=self._raise_if_stopped)
+                                timeout=self.config.join_timeout_s, stopped=self._raise_if_stopped, moved_to=moved_to)
         self.generation = plan.generation
         self._watcher.watch(plan.generation)
         self._enter(Phase.RENDEZVOUS.value, plan.step if plan.step is not None else self.state.step)
@@ -506,12 +508,10 @@ class Supervisor:
         self._enter("recovery", self.ctx.step)
         t_detect = time.time()
         g = self.generation
-        first, cause = False, None
-        if g >= 0:
-            first, cause = report_fault(self.store, g, {"rank": self.env.rank, "kind": kind, "time": t_detect,
-                                                        "step": self.ctx.step, "phase": self.ctx.phase.value,
-                                                        **failure.to_dict()}, world_size=self.env.world_size,
-                                        woken=self._watcher.moved.is_set())
+        first, cause, self._moved_to = leave_generation(
+            self.store, g, {"rank": self.env.rank, "kind": kind, "time": t_detect, "step": self.ctx.step,
+                            "phase": self.ctx.phase.value, **failure.to_dict()},
+            world_size=self.env.world_size, watcher=self._watcher)
         self.events.emit("fault_detected", rank=self.env.rank, generation=g, step=self.ctx.step,
                          phase=self.ctx.phase.value, kind=kind, error=message[:300],
                          failure=failure.kind.value, first_reporter=first, cause=cause)
@@ -527,18 +527,20 @@ class Supervisor:
         spent = self.judge.recovering(failure)
         if spent is not None:
             return self._stop_job(spent)
-        fault_time = float(cause["time"]) if cause and "time" in cause else t_detect
-        self._timings = {"detect_s": max(0.0, t_detect - fault_time), "abort_s": time.monotonic() - t0,
-                         "fault_step": float(self.ctx.step)}
+        self._timings = {"t_detect": t_detect, "abort_s": time.monotonic() - t0, "fault_step": float(self.ctx.step)}
+        if cause is not None:
+            self._timings["fault_time"] = float(cause.get("time", t_detect))
         return _S.JOINING
 
     def _report_recovery(self, plan: ResumePlan) -> None:
-        if "detect_s" not in self._timings:
+        if "t_detect" not in self._timings:
             return  # a fresh start, not a recovery
         t = self._timings
+        fault_time = t.get("fault_time", float((plan.cause or {}).get("time", t["t_detect"])))
         self.events.emit(
             "recovery_done", rank=self.env.rank, generation=plan.generation, resume_step=plan.step,
-            resume_from=plan.source.value, replacements=plan.replacements, healed=plan.healed, detect_s=t["detect_s"],
+            resume_from=plan.source.value, replacements=plan.replacements, healed=plan.healed,
+            detect_s=max(0.0, t["t_detect"] - fault_time),
             abort_s=t["abort_s"], rendezvous_s=t["rendezvous_s"], heal_s=t["heal_s"],
             steps_redone=max(0, int(t["fault_step"]) - (plan.step or 0)),
         )

@@ -1,11 +1,13 @@
 """The watcher thread: notices a generation declared failed, or the job stopped, while the main thread computes.
 
-It does not poll. It waits, on a connection of its own, for its rank's wake
-key of the generation it watches (``Keys.wake(g, rank)``), which the store
-answers the moment whoever fails the generation, or stops the job, sets every
-rank's wake key in one ``multi_set`` (:func:`resilient_train.store.interrupt_generation`).
-A job of N ranks puts no load on the store while nothing fails, and one
-request per rank when something does.
+It does not poll. It reads, on a connection of its own, its rank's wake key
+of the generation it watches (``Keys.wake(g, rank)``: a ``get`` blocks until
+the key is set), which the store answers the moment whoever fails the
+generation, or stops the job, sets every rank's wake key in one ``multi_set``
+(:func:`resilient_train.store.interrupt_generation`). The value names the
+generation a fault moved the run to (:attr:`GenerationWatcher.next_generation`),
+so the rank joins it without asking the store again. A job of N ranks puts no
+load on the store while nothing fails, and one request per rank when something does.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ class GenerationWatcher:
         self.moved = threading.Event()
         self.handled = threading.Event()  # on_moved returned (the abort is over): the groups may be released
         self._rank = rank
+        self.next_generation: int | None = None  # what the wake named: the generation a fault moved the run to
         self._main = store  # close() wakes the thread through it
         self._store = store.clone()  # its own connection: its wait blocks it
+        self._store.set_timeout(_LONG)  # its get ends when the key is set, the store goes, or close() sets it
         self._interval_s = interval_s
         self._on_moved = on_moved
         self._stop = threading.Event()
@@ -54,11 +58,20 @@ class GenerationWatcher:
         self._thread.start()
 
     def watch(self, generation: int) -> None:
-        """Starts watching a newly joined generation."""
-        self.generation = generation
-        self.moved.clear()
-        self.handled.clear()
+        """Starts watching a newly joined generation.
+
+        The thread usually waits on its key already: after a fault it waits on
+        the key of the generation the wake named, the one this rank then joins.
+        """
+        with self._lock:
+            self.generation = generation
+            self.next_generation = None
+            self.moved.clear()
+            self.handled.clear()
+            stale = self._waiting if self._waiting is not None and self._waiting != generation else None
         self._armed.set()
+        if stale is not None:  # it waits on a generation this rank did not join (that one failed first): move it
+            self._kick(stale, "rearm")
 
     def wait_handled(self, timeout: float) -> bool:
         """Waits until the watcher has acted on the move of the watched generation (its NCCL abort is over).
@@ -74,38 +87,55 @@ class GenerationWatcher:
             waiting = self._waiting
         self._armed.set()
         if waiting is not None:
-            try:
-                self._main.set(Keys.wake(waiting, self._rank), "closed")
-            except Exception:  # noqa: BLE001  (the store is gone: so is the thread's wait)
-                pass
+            self._kick(waiting, "closed")
         self._thread.join(timeout)
 
+    def _kick(self, generation: int, why: str) -> None:
+        """Ends the thread's wait on ``generation``'s key (the value is no generation: nothing moved)."""
+        try:
+            self._main.set(Keys.wake(generation, self._rank), why)
+        except Exception:  # noqa: BLE001  (the store is gone: so is the thread's wait)
+            pass
+
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            g = self.generation
-            if g < 0 or self.moved.is_set():
-                # Until watch() or close(): it sets the generation before the event, which is cleared before
-                # the generation is read again, so no call is missed.
-                self._armed.wait(_IDLE_S)
-                self._armed.clear()
-                continue
+        spent: int | None = None  # a wait on the next generation's key that ended before this rank joined it
+        while True:
             with self._lock:
                 if self._stop.is_set():
                     return
-                self._waiting = g
-            try:
-                self._store.wait([Keys.wake(g, self._rank)], _LONG)
-            except Exception:  # noqa: BLE001  (the store is briefly unreachable: look again)
-                self._stop.wait(self._interval_s)
+                if self.generation >= 0 and not self.moved.is_set():
+                    target: int | None = self.generation
+                elif self.moved.is_set() and self.next_generation is not None and self.next_generation != spent:
+                    # Moved: wait now on the key of the generation the wake named, which this rank is about to
+                    # join, so that watch() finds the wait in place and no thread has to wake for it.
+                    target = self.next_generation
+                else:
+                    target = None
+                self._waiting = target
+            if target is None:
+                # Until watch() or close(): they change the state before setting the event, and the state is
+                # read again after every wake, so no call is missed.
+                self._armed.wait(_IDLE_S)
+                self._armed.clear()
                 continue
-            finally:
+            try:
+                value = self._store.get(Keys.wake(target, self._rank))
+            except Exception:  # noqa: BLE001  (the store is briefly unreachable: look again)
                 with self._lock:
                     self._waiting = None
-            if self._stop.is_set():
-                return
-            if g != self.generation:
-                continue  # the main thread joined a newer generation meanwhile: watch that one
-            self.moved.set()
+                self._stop.wait(self._interval_s)
+                continue
+            with self._lock:
+                self._waiting = None
+                if self._stop.is_set():
+                    return
+                if target != self.generation or self.moved.is_set():
+                    # The rank has not joined ``target`` (it failed while the rank joined: the join sees that
+                    # itself), or it moved past it: wait for watch().
+                    spent = target
+                    continue
+                self.next_generation = Keys.next_generation(value)
+                self.moved.set()
             try:
                 self._on_moved()
             finally:

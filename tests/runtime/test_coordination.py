@@ -56,3 +56,136 @@ def test_a_failed_generation_settles_its_join_for_everyone() -> None:
     assert current_generation(store) == 1
     assert store.get(Keys.settled(0)).decode() == Keys.FAILED
     assert store.check([Keys.wake(0, r) for r in range(4)])
+
+
+# ---- the protocol's pieces on a real store (the agent's kind: TCPStore without libuv) and real threads ----
+
+def _store():
+    import torch.distributed as dist
+
+    from resilient_train.store import job_store
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False)
+    return server, lambda: job_store(dist.TCPStore("127.0.0.1", server.port, is_master=False), "t")
+
+
+def _member(rank: int, live: int | None):
+    import os
+
+    from resilient_train.generation import Membership
+
+    return Membership(rank=rank, pid=os.getpid(), live_step=live, snapshot_step=None,
+                      local_steps=[] if live is None else [live], replacement=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_woken_watcher_names_the_next_generation_and_the_rank_joins_it_without_asking() -> None:
+    import threading
+
+    from resilient_train import rendezvous
+    from resilient_train.watch import GenerationWatcher
+
+    _server, connect = _store()
+    agent = connect()
+    world = 3
+    stores = [connect() for _ in range(world)]
+    watchers = [GenerationWatcher(s, rank=r, interval_s=0.05) for r, s in enumerate(stores)]
+    try:
+        for w in watchers:
+            w.watch(0)
+        cause = {"rank": 2, "kind": "worker_exit", "time": 1.0}
+        assert rendezvous.report_fault(agent, 0, cause, world_size=world) == (True, cause)
+        plans: dict[int, object] = {}
+
+        def rank(r: int) -> None:
+            assert watchers[r].moved.wait(20)
+            first, standing, moved_to = rendezvous.leave_generation(
+                stores[r], 0, {"rank": r, "kind": "GenerationFailed"}, world_size=world, watcher=watchers[r])
+            assert (first, standing, moved_to) == (False, None, 1)  # nothing asked of the store
+            plans[r] = rendezvous.enter_generation(stores[r], world_size=world, me=lambda: _member(r, 5),
+                                                   timeout=20, stopped=lambda: None, moved_to=moved_to)
+            watchers[r].watch(1)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert {r: (p.generation, p.step, p.cause) for r, p in plans.items()} == {r: (1, 5, cause) for r in range(world)}
+        # The watchers already wait on generation 1's keys: the next fault wakes them, naming generation 2.
+        rendezvous.report_fault(agent, 1, {"rank": 0, "kind": "worker_exit"}, world_size=world)
+        assert all(w.moved.wait(20) and w.next_generation == 2 for w in watchers)
+    finally:
+        for w in watchers:
+            w.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_wakes_watchers_without_a_generation_to_join() -> None:
+    from resilient_train import rendezvous
+    from resilient_train.store import request_stop
+    from resilient_train.watch import GenerationWatcher
+
+    _server, connect = _store()
+    store = connect()
+    watcher = GenerationWatcher(connect(), rank=0, interval_s=0.05)
+    try:
+        watcher.watch(0)
+        request_stop(store, {"summary": "a bug", "exit_code": 1})
+        rendezvous.interrupt_for_stop(store, world_size=1)
+        assert watcher.moved.wait(20) and watcher.next_generation is None  # the rank looks at the store
+    finally:
+        watcher.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_that_read_the_generation_before_a_fault_moved_it_still_ends_the_next_join() -> None:
+    """The stopper interrupts generation 0; a fault then moves the run to 1. Ranks woken by the fault join 1
+    without looking: the fault's reporter sees the stop and fails 1, so the join ends at once, as stopped."""
+    from resilient_train import rendezvous
+    from resilient_train.store import interrupt_generation, read_stop, request_stop
+
+    _server, connect = _store()
+    store = connect()
+    request_stop(store, {"summary": "a bug", "exit_code": 1})
+    interrupt_generation(store, 0, world_size=2)  # what interrupt_for_stop does, generation 0 read
+    rendezvous.report_fault(store, 0, {"rank": 1, "kind": "worker_exit"}, world_size=2)
+
+    class Stopped(Exception):
+        pass
+
+    def stopped() -> None:
+        if read_stop(store) is not None:
+            raise Stopped()
+
+    with pytest.raises(Stopped):
+        rendezvous.enter_generation(connect(), world_size=2, me=lambda: _member(0, 3), timeout=30,
+                                    stopped=stopped, moved_to=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_generation_that_fails_while_it_assembles_ends_the_planners_wait() -> None:
+    import threading
+
+    from resilient_train import rendezvous
+    from resilient_train.generation import PLANNER
+
+    _server, connect = _store()
+    agent = connect()
+    out: dict[str, object] = {}
+
+    def planner() -> None:  # joins generation 0 alone: rank 1 never comes to it
+        out["plan"] = rendezvous.enter_generation(connect(), world_size=2, me=lambda: _member(PLANNER, 7),
+                                                  timeout=40, stopped=lambda: None)
+
+    t = threading.Thread(target=planner)
+    t.start()
+    t.join(1.0)
+    assert t.is_alive()  # waiting for rank 1's membership
+    rendezvous.report_fault(agent, 0, {"rank": 1, "kind": "worker_exit"}, world_size=2)
+    # Generation 0 failed: the planner's wait ended with it, and it joined generation 1, where rank 1 comes.
+    plan = rendezvous.enter_generation(connect(), world_size=2, me=lambda: _member(1, 7), timeout=20,
+                                       stopped=lambda: None)
+    t.join(20)
+    assert plan.generation == 1 and plan.step == 7
+    assert out["plan"] == plan
