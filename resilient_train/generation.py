@@ -257,7 +257,7 @@ def _plan(store: dist.Store, g: int, world_size: int, deadline: float) -> None:
     values = store.multi_get(keys)
     if any(v == _FAILED_BYTES for v in values):
         return  # the generation failed while it assembled: its outcome is FAILED
-    members = {r: Membership.from_json(v) for r, v in enumerate(values)}
+    members = {r: Membership(**d) for r, d in enumerate(json.loads(b"[" + b",".join(values) + b"]"))}  # one parse
     plan = plan_resume(g, members)
     if g > 0:
         plan = replace(plan, cause=read_fault(store, g - 1))
