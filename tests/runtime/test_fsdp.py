@@ -217,6 +217,25 @@ def test_four_ranks_lose_a_rank_and_its_buddy_holder_at_once(tmp_path, tmp_path_
     assert d.returncode == 0, f"final state differs from the fault-free run: {d.stdout}{d.stderr}"
 
 
+@pytest.mark.timeout(300)
+def test_a_data_parallel_checkpoint_is_refused_by_a_sharded_job_at_once(tmp_path):
+    """The other way round does not load: a data-parallel checkpoint (whole tensors, the optimizer keyed by
+    parameter index) under a sharded job is a misuse: it stops the job (93) with the reason, and nothing retries."""
+    ddp_dir = tmp_path / "ddp"
+    src = run_script(ddp_dir, GPT, ["--steps", "2", *SMALL_GPT, "--ckpt-every", "2"], nproc=1)
+    assert src.returncode == 0, src.stderr[-3000:]
+    assert (ddp_dir / "checkpoints" / "step-2" / "manifest.json").is_file()
+    run_dir = tmp_path / "fsdp"
+    run_dir.mkdir()
+    shutil.copytree(ddp_dir / "checkpoints", run_dir / "checkpoints")
+    job = run_fsdp(run_dir, nproc=2, steps=4, extra=("--ckpt-every", "2"), timeout=120)
+    assert job.returncode == 93, job.stderr[-3000:]
+    said = "holds a data-parallel job's state"
+    assert said in job.stderr, job.stderr[-3000:]
+    assert not job.of("recovery_done") and not (run_dir / "final").exists()
+    assert "restarting" not in job.stderr, job.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_four_rank_fsdp_checkpoint_loads_on_2_and_3_ranks_and_under_ddp(tmp_path):

@@ -20,7 +20,7 @@ def _assert_recovered(job, reference, *, killed: set[int], faults: int) -> None:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])  # 3 ranks: test_ddp.py
 def test_sigkill_rank0_and_last_rank_at_every_phase(tmp_path, references, nproc):
     """Twelve SIGKILLs in one run: rank 0 and the highest rank, at each phase in turn."""
     last = nproc - 1

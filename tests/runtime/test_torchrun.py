@@ -40,6 +40,7 @@ def test_exception_recovers_in_process_under_torchrun(tmp_path, references):
     assert d.returncode == 0, d.stdout + d.stderr
 
 
+@pytest.mark.slow  # torchrun's own restart of every worker: 40 s of CI for torchrun's behaviour, not ours
 @pytest.mark.timeout(240)
 def test_dead_process_is_restarted_by_torchrun(tmp_path, references):
     job = _torchrun(tmp_path / "run", [{"kind": "kill", "rank": 1, "step": 4, "phase": "forward"}], max_restarts=1)

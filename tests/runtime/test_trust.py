@@ -76,6 +76,7 @@ def test_a_stranger_writing_to_the_store_changes_nothing(tmp_path, references):
     assert d.returncode == 0, d.stdout + d.stderr
 
 
+@pytest.mark.slow  # 50 s in CI
 @pytest.mark.timeout(300)
 def test_a_replacement_killed_while_the_group_is_built_does_not_livelock(tmp_path, references):
     """SIGKILL rank 1; once every rank has joined the next generation, SIGKILL the replacement (issue 17)."""
