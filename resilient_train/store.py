@@ -27,8 +27,8 @@ from resilient_train.env import WorkerEnv
 
 __all__ = [
     "Keys", "StoreTimeout", "attempt_store", "connect_worker_store", "current_generation", "declare_fault",
-    "fail_join", "interrupt_generation", "job_store", "new_token", "read_fault", "read_stop", "report_fault", "request_stop",
-    "settle", "wait_until",
+    "fail_join", "interrupt_generation", "job_store", "new_token", "read_fault", "read_stop", "report_fault",
+    "request_stop", "settle", "wait_until",
 ]
 
 
