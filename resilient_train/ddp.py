@@ -81,7 +81,6 @@ class ReplicatedModule(torch.nn.Module):
             yield
 
 
-
 def find_ddp(module: torch.nn.Module) -> list[DDP]:
     """The DDP objects that wrap ``module`` (found through who refers to it; once per generation)."""
     gc.collect()  # a DDP of an earlier generation that nothing refers to any more is not in use

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from checkpointing import CheckpointConfig, CheckpointManager, NoCheckpointError
 from checkpointing.lifecycle import SavePhase
+from checkpointing.manifest import Manifest
 from monitors import EventLog
 from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
-from checkpointing.manifest import Manifest
 from resilient_train.dcp_state import DCP_FORM, FORM_KEY, Suspend, dcp_state_dict, dcp_targets, load_dcp_state, saveable
 from resilient_train.errors import UsageError
 from resilient_train.store import Keys, wait_until

@@ -21,12 +21,13 @@ whose local state every rank can restore; everyone else heals from a holder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -251,10 +252,10 @@ def _plan(store: dist.Store, g: int, world_size: int, deadline: float) -> None:
     """
     keys = [Keys.member(g, r) for r in range(world_size)]
     try:
-        store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        with _until(store, deadline):
+            values = store.multi_get(keys)  # the store answers once every key is set
     except dist.DistStoreError:
         return  # the deadline: the plan's reader times out with everyone else
-    values = store.multi_get(keys)
     if any(v == _FAILED_BYTES for v in values):
         return  # the generation failed while it assembled: its outcome is FAILED
     members = {r: Membership(**d) for r, d in enumerate(json.loads(b"[" + b",".join(values) + b"]"))}  # one parse
@@ -269,11 +270,19 @@ _FAILED_BYTES = Keys.FAILED.encode()
 
 def _outcome(store: dist.Store, g: int, deadline: float) -> bytes | None:
     """``g``'s outcome (its plan, or FAILED) once it is written, in one call; None past the deadline."""
+    try:
+        with _until(store, deadline):
+            return store.get(Keys.outcome(g))  # the store answers when the key is set
+    except dist.DistStoreError:
+        return None
+
+
+@contextlib.contextmanager
+def _until(store: dist.Store, deadline: float) -> Iterator[None]:
+    """The connection's blocking reads (``get``, ``multi_get``: they wait for their keys) end at ``deadline``."""
     previous = store.timeout
     store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
     try:
-        return store.get(Keys.outcome(g))  # the store answers when the key is set
-    except dist.DistStoreError:
-        return None
+        yield
     finally:
         store.set_timeout(previous)

@@ -73,7 +73,7 @@ def capture_rng(use: RngUse | None = None) -> dict[str, Any]:
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
         # The 624 uint32 words as int32 (their bits): half the bytes of int64, in every step's local state.
-        rng["numpy"] = [name, torch.from_numpy(keys.astype("uint32").view("int32").copy()), pos, has_gauss, cached]
+        rng["numpy"] = [name, torch.from_numpy(keys.astype("uint32").view("int32")), pos, has_gauss, cached]
     if use is not None:
         use.observe("python", py)
         if "numpy" in rng:
