@@ -13,8 +13,9 @@ every rank agrees on the plan.
     PYTHONPATH=$PWD python bench/coordination.py --sizes 64,256,1024,4096
 
 What a generation change measures: from the agent's ``declare_fault`` to the
-last rank's watcher seeing it (seen), to the last rank counted in (joined), to
-the last rank holding the plan (plan). Not in it: building the new process
+last rank's watcher seeing it (seen), to the last rank's membership sent
+(joined), to the planner (rank 0) writing the plan (planned), to the last rank
+holding it (plan). Not in it: building the new process
 group (gloo's own rendezvous), healing, a replacement's process start.
 """
 
@@ -67,6 +68,8 @@ class CountingStore:
         self._inner.set(key, value)
         if "/member/" in key:
             self._t.joined_at = time.monotonic()
+        elif key.endswith("/outcome"):
+            self._t.planned_at = time.monotonic()
 
     def get(self, key: str) -> bytes:
         v = self._inner.get(key)
@@ -116,6 +119,7 @@ class Tally:
     trips: int = 0  # request-reply exchanges on the wire (a get is two: TCPStore waits for the key first)
     bytes: int = 0
     joined_at: float = 0.0
+    planned_at: float = 0.0  # the planner wrote the outcome
 
 
 RANKS_PER_PROC = 128  # a thousand threads in one process make its GIL the bottleneck (seen at 4,096 ranks)
@@ -174,12 +178,16 @@ class SimRank:
         t = time.monotonic()
         self.fresh = self.new_process = False
         self.live = plan.step if plan.step is not None else 0
-        self.results[phase] = {"seen": self.seen_at, "joined": self.tally.joined_at, "plan": t,
+        self.results[phase] = {"seen": self.seen_at, "joined": self.tally.joined_at, "planned": self.tally.planned_at,
+                               "plan": t,
                                "digest": _digest(plan)}
         return plan
 
     def recover(self) -> None:
-        """What the supervisor's _recover does with the store: report the fault (idempotent), read its cause."""
+        """What the supervisor's _judge and _recover do with the store: read a stop, report the fault (a woken
+        rank does neither: it joins the next generation, which tells)."""
+        if rendezvous.stop_after_failure(self.store, self.watcher) is not None:
+            raise RuntimeError("the bench's job was stopped")
         g = self.watcher.generation
         _, _, self.moved_to = rendezvous.leave_generation(
             self.store, g, {"rank": self.rank, "kind": "GenerationFailed", "time": time.time()},
@@ -440,6 +448,7 @@ def run_size(cfg: BenchConfig) -> dict[str, Any]:
                 **_delta(ma, mb, n), "lost": len(lost), "plan": plan,
                 "seen_s": max(r["seen"] for r in survivors) - t0,
                 "joined_s": max(r["joined"] for r in res.values()) - t0,
+                "planned_s": max(r["planned"] for r in res.values()) - t0,
                 "plan_s": max(r["plan"] for r in res.values()) - t0,
             }
             b.send("steps", (time.monotonic() + 0.1, step + 1, 1))
@@ -453,15 +462,15 @@ def run_size(cfg: BenchConfig) -> dict[str, Any]:
 
 def _row(size: dict[str, Any]) -> str:
     a, c, s = size["one_lost"], size["pct_lost"], size["steady"]
-    return (f"| {size['world_size']} | {a['seen_s']:.3f} / {a['joined_s']:.3f} / {a['plan_s']:.3f} "
-            f"| {c['lost']}: {c['seen_s']:.3f} / {c['joined_s']:.3f} / {c['plan_s']:.3f} "
+    return (f"| {size['world_size']} | {a['seen_s']:.3f} / {a['joined_s']:.3f} / {a['planned_s']:.3f} / {a['plan_s']:.3f} "
+            f"| {c['lost']}: {c['seen_s']:.3f} / {c['joined_s']:.3f} / {c['planned_s']:.3f} / {c['plan_s']:.3f} "
             f"| {a['ops_per_rank']:.1f} / {a['trips_per_rank']:.1f} / {a['payload_bytes_per_rank'] / 1e3:.1f} "
             f"| {a['server_cpu_s']:.2f} / {a['client_cpu_s']:.2f} "
             f"| {s['ops_per_rank']:.1f} / {s['payload_bytes_per_rank'] / 1e3:.1f} | {s['server_cpu_s']:.3f} "
             f"| {size['start']['wall_s']:.2f} |")
 
 
-HEADER = ("| N | one lost: seen / joined / plan (s) | 1% lost: k: seen / joined / plan (s) "
+HEADER = ("| N | one lost: seen / joined / planned / plan (s) | 1% lost: k: seen / joined / planned / plan (s) "
           "| change: calls / round trips / KB per rank | change: CPU s, server / simulated ranks | per step: requests / KB per rank | per step: server CPU s "
           "| first join s |\n|---|---|---|---|---|---|---|---|")
 

@@ -12,28 +12,39 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch.distributed as dist
 
 from resilient_train.generation import Membership, ResumePlan, RunFinished, join_generation
-from resilient_train.store import Keys, current_generation, interrupt_generation, report_fault
+from resilient_train.store import Keys, current_generation, fail_join, interrupt_generation, read_stop, report_fault
 
 if TYPE_CHECKING:
     from resilient_train.watch import GenerationWatcher
 
-__all__ = ["enter_generation", "interrupt_for_stop", "leave_generation", "report_fault"]
+__all__ = ["enter_generation", "interrupt_for_stop", "leave_generation", "report_fault", "stop_after_failure"]
+
+
+def stop_after_failure(store: dist.Store, watcher: "GenerationWatcher") -> dict[str, Any] | None:
+    """The job's stop, as a rank whose step failed reads it (None: not stopped, or not asked).
+
+    A rank whose watcher was woken asks nothing: it joins the next generation, whose join a stopper fails
+    before it wakes anyone (:func:`interrupt_for_stop`), so the rank reads the stop there. One round trip per
+    rank saved at every generation change.
+    """
+    return None if watcher.moved.is_set() else read_stop(store)
 
 
 def leave_generation(store: dist.Store, generation: int, cause: dict[str, Any], *, world_size: int,
                      watcher: "GenerationWatcher") -> tuple[bool, dict[str, Any] | None, int | None]:
     """A rank's side of a fault: ``(first reporter, the cause that stands, the generation to join)``.
 
-    A rank whose watcher was woken by a fault that moved the run on asks the
-    store nothing: the fault is recorded, every rank is woken, and the wake
-    named the next generation (its plan will carry the cause: ``(False, None,
-    that generation)``). Any other rank reports (it may be the first); it then
-    joins whatever generation the store holds (``None``).
+    A rank whose watcher was woken asks the store nothing: whatever woke it
+    (a fault, or a stop) has recorded itself, woken every rank, and left the
+    next generation to join (its plan will carry the cause; a stop fails its
+    join): ``(False, None, that generation)``. Any other rank reports (it may
+    be the first); it then joins whatever generation the store holds (``None``).
     """
-    moved_to = watcher.next_generation if watcher.moved.is_set() else None
-    if generation < 0 or moved_to is not None:
-        return False, None, moved_to
-    first, standing = report_fault(store, generation, cause, world_size=world_size, woken=watcher.moved.is_set())
+    if generation < 0:
+        return False, None, None  # it never joined one: nothing to report
+    if watcher.moved.is_set():
+        return False, None, watcher.next_generation
+    first, standing = report_fault(store, generation, cause, world_size=world_size)
     return first, standing, None
 
 
@@ -41,8 +52,9 @@ def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Mem
                      stopped: Callable[[], None], moved_to: int | None = None) -> ResumePlan:
     """Joins the current generation and returns its plan; :class:`RunFinished` once the run's final state is in.
 
-    ``moved_to``: the generation this rank's wake named (a fault moved the run there). The rank joins it
-    straight away: a run that finished or stopped meanwhile settles it as FAILED, and the join looks then.
+    ``moved_to``: the generation after the one whose wake woke this rank (a fault moved the run there). The
+    rank joins it straight away: a run that finished or stopped meanwhile settles it as FAILED, and the join
+    looks then.
     """
     if moved_to is None and store.check([Keys.FINAL]):
         raise RunFinished()
@@ -51,5 +63,10 @@ def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Mem
 
 
 def interrupt_for_stop(store: dist.Store, *, world_size: int) -> None:
-    """The job was stopped (``request_stop``): every watcher and join of the current generation looks now."""
-    interrupt_generation(store, current_generation(store), world_size=world_size)
+    """The job was stopped (``request_stop``): every watcher and join of the current generation looks now.
+
+    Woken ranks join the next generation without asking why: its join fails first, so they find the stop there.
+    """
+    g = current_generation(store)
+    fail_join(store, g + 1, world_size=world_size)
+    interrupt_generation(store, g, world_size=world_size)

@@ -62,21 +62,11 @@ class Keys:
 
     @staticmethod
     def wake(g: int, rank: int) -> str:
-        """Set when ``rank``'s watcher of generation ``g`` must look: to :meth:`moved_to` when the run moved on
-        to a next generation (a fault), to :attr:`LOOK` otherwise (the job stopped, the run finished)."""
+        """Set when ``rank``'s watcher of generation ``g`` must look (see :func:`interrupt_generation`): the
+        watcher only waits for the key (one round trip), so its value says nothing."""
         return f"rt/gen/{g}/wake/{rank}"
 
-    LOOK = "look"
-
-    @staticmethod
-    def moved_to(g: int) -> str:
-        return f"next/{g}"
-
-    @staticmethod
-    def next_generation(wake_value: bytes | str) -> int | None:
-        """The generation a wake value names (a fault moved the run there), or None (look at the store)."""
-        v = wake_value.decode() if isinstance(wake_value, bytes) else wake_value
-        return int(v[5:]) if v.startswith("next/") and v[5:].isdigit() else None
+    WOKEN = "woken"
 
     FAILED = "failed"  # Keys.settled(g) when g failed before its plan was written
 
@@ -151,29 +141,26 @@ def declare_fault(store: dist.Store, generation: int, cause: dict[str, Any], *, 
     return report_fault(store, generation, cause, world_size=world_size)[0]
 
 
-def report_fault(store: dist.Store, generation: int, cause: dict[str, Any], *, world_size: int,
-                 woken: bool = False) -> tuple[bool, dict[str, Any]]:
+def report_fault(store: dist.Store, generation: int, cause: dict[str, Any], *,
+                 world_size: int) -> tuple[bool, dict[str, Any]]:
     """:func:`declare_fault`, and the cause that stands (the first report's), read in the same request.
 
     The first reporter moves the generation, settles its join as FAILED and
     wakes every rank's watcher (one ``multi_set`` of ``world_size`` keys). A
     later reporter moves the generation too (idempotent) and wakes the
     watchers only if the first did not get that far (it died in between).
-    ``woken``: the caller's watcher was woken by this fault, so all of that
-    is done (wakes are set last): one request records or reads the cause.
     """
     payload = json.dumps(cause, default=str)
     standing = store.compare_set(Keys.fault(generation), "", payload).decode()
     first = standing == payload
-    if first or not woken:
-        store.compare_set(Keys.GENERATION, str(generation), str(generation + 1))
-        if first or not store.check([Keys.wake(generation, world_size - 1)]):
-            interrupt_generation(store, generation, world_size=world_size, moved_to=generation + 1)
-        if first and (store.check([Keys.FINAL]) or store.check([Keys.STOP])):
-            # The run finished or was stopped as it failed: rank 0 (or the stopper) settles the generation it
-            # read after writing FINAL (or STOP), which may be the one before this move. Woken ranks join
-            # generation + 1 without looking (their wake names it): it must not wait for ranks that have left.
-            fail_join(store, generation + 1, world_size=world_size)
+    store.compare_set(Keys.GENERATION, str(generation), str(generation + 1))
+    if first or not store.check([Keys.wake(generation, world_size - 1)]):
+        interrupt_generation(store, generation, world_size=world_size)
+    if first and (store.check([Keys.FINAL]) or store.check([Keys.STOP])):
+        # The run finished or was stopped as it failed: rank 0 (or the stopper) settles the generation it
+        # read after writing FINAL (or STOP), which may be the one before this move. Woken ranks join
+        # generation + 1 without looking: it must not wait for ranks that have left.
+        fail_join(store, generation + 1, world_size=world_size)
     return first, json.loads(standing)
 
 
@@ -199,15 +186,15 @@ def fail_join(store: dist.Store, generation: int, *, world_size: int) -> None:
         store.multi_set([Keys.member(generation, r) for r in range(world_size)], [Keys.FAILED] * world_size)
 
 
-def interrupt_generation(store: dist.Store, generation: int, *, world_size: int, moved_to: int | None = None) -> None:
+def interrupt_generation(store: dist.Store, generation: int, *, world_size: int) -> None:
     """Ends every wait on ``generation``: its join (settled as FAILED unless planned) and its ranks' watchers.
 
-    ``moved_to``: the generation the run moved to (a fault), which every watcher reads from its wake key,
-    so that its rank joins it without asking the store; None for a stop or the run's end (look).
+    A woken rank joins ``generation + 1`` without asking why (its watcher only waits for the key): after a
+    fault that is the run's next generation; whoever interrupts for another reason (a stop) first fails that
+    join (:func:`resilient_train.rendezvous.interrupt_for_stop`), so the rank finds out there.
     """
     fail_join(store, generation, world_size=world_size)
-    keys = [Keys.wake(generation, r) for r in range(world_size)]
-    store.multi_set(keys, [Keys.moved_to(moved_to) if moved_to is not None else Keys.LOOK] * world_size)
+    store.multi_set([Keys.wake(generation, r) for r in range(world_size)], [Keys.WOKEN] * world_size)
 
 
 def read_fault(store: dist.Store, generation: int) -> dict[str, Any] | None:

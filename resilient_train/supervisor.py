@@ -50,7 +50,7 @@ from resilient_train.preempt import Preemption
 from resilient_train.mesh import MeshSpec, build_mesh, release_mesh
 from resilient_train.parts import ChaosPart, CuptiPart, DiskPart, Part, Parts, ProgressPart, SnapshotPart
 from resilient_train.reducer import GradientReducer
-from resilient_train.rendezvous import enter_generation, interrupt_for_stop, leave_generation
+from resilient_train.rendezvous import enter_generation, interrupt_for_stop, leave_generation, stop_after_failure
 from resilient_train.rerun.driver import RerunHooks
 from resilient_train.rerun.part import RerunPart
 from resilient_train.rerun.save import save_for_stop, shared_table
@@ -163,7 +163,8 @@ class Supervisor:
                            max_failed_generations=self.config.max_failed_generations)
         self._failure: tuple[str, str, Any] | None = None  # (type name, message, Failure) of the last fault
         self._timings: dict[str, float] = {}
-        self._moved_to: int | None = None  # the generation the last fault's wake named (joined without asking)
+        self._moved_to: int | None = None  # the generation to join after a wake (joined without asking)
+        self._woken_detection: dict[str, Any] | None = None  # its fault_detected, said once the join tells
         self._stopped: JobStopped | None = None
         handlers: dict[SupervisorState, Callable[[], SupervisorState]] = {
             _S.JOINING: self._join, _S.RESTORING: self._restore, _S.TRAINING: lambda: self._train(step_fn),
@@ -175,6 +176,7 @@ class Supervisor:
                 try:
                     nxt = handlers[self.lifecycle.state]()
                 except RunFinished:
+                    self._say_woken_detection(stopped=False)
                     nxt = _S.DONE
                 except Exception as exc:  # noqa: BLE001  (every failure goes through the same judgement)
                     nxt = self._judge(exc)
@@ -280,6 +282,7 @@ class Supervisor:
         moved_to, self._moved_to = self._moved_to, None
         plan = enter_generation(self.store, world_size=self.env.world_size, me=me,
                                 timeout=self.config.join_timeout_s, stopped=self._raise_if_stopped, moved_to=moved_to)
+        self._say_woken_detection(stopped=False, cause=plan.cause)
         self.generation = plan.generation
         self._watcher.watch(plan.generation)
         self._enter(Phase.RENDEZVOUS.value, plan.step if plan.step is not None else self.state.step)
@@ -468,7 +471,8 @@ class Supervisor:
     # ------------------------------------------------------------ failures
     def _judge(self, exc: BaseException) -> SupervisorState:
         """A failure: recover it, or stop the job (a bug, a misuse, a full disk, no progress)."""
-        stop = read_stop(self.store) if not isinstance(exc, JobStopped) else None
+        self._say_woken_detection(stopped=isinstance(exc, JobStopped))
+        stop = stop_after_failure(self.store, self._watcher) if not isinstance(exc, JobStopped) else None
         if isinstance(exc, JobStopped) or (stop is not None and stop.get("rank") != self.env.rank):
             self._stopped = exc if isinstance(exc, JobStopped) else JobStopped(stop["summary"], int(stop["exit_code"]))
             return _S.FAILED
@@ -497,6 +501,13 @@ class Supervisor:
         self._stopped = JobStopped(stood.get("summary", stop.reason), int(stood.get("exit_code", stop.exit_code)))
         return _S.FAILED
 
+    def _say_woken_detection(self, *, stopped: bool, cause: dict[str, Any] | None = None) -> None:
+        """A woken rank's ``fault_detected`` (with its time of detection, and the cause the plan brought),
+        unless the wake was a stop's."""
+        detection, self._woken_detection = self._woken_detection, None
+        if detection is not None and not stopped:
+            self.events.emit("fault_detected", **(detection | ({"cause": cause} if cause is not None else {})))
+
     def _raise_if_stopped(self) -> None:
         stop = read_stop(self.store)
         if stop is not None:
@@ -512,9 +523,13 @@ class Supervisor:
             self.store, g, {"rank": self.env.rank, "kind": kind, "time": t_detect, "step": self.ctx.step,
                             "phase": self.ctx.phase.value, **failure.to_dict()},
             world_size=self.env.world_size, watcher=self._watcher)
-        self.events.emit("fault_detected", rank=self.env.rank, generation=g, step=self.ctx.step,
-                         phase=self.ctx.phase.value, kind=kind, error=message[:300],
-                         failure=failure.kind.value, first_reporter=first, cause=cause)
+        detection = {"rank": self.env.rank, "generation": g, "step": self.ctx.step, "phase": self.ctx.phase.value,
+                     "kind": kind, "error": message[:300], "failure": failure.kind.value, "first_reporter": first,
+                     "cause": cause, "time": t_detect}
+        if self._moved_to is None:
+            self.events.emit("fault_detected", **detection)
+        else:  # woken, by a fault or by a stop: the next join tells which (a stopped rank detected no fault)
+            self._woken_detection = detection
         t0 = time.monotonic()
         if g >= 0 and not self._watcher.wait_handled(self.config.pg_timeout_s):
             # The generation moved (declared above) but the watcher has not finished acting on it: its NCCL

@@ -1,13 +1,15 @@
 """The watcher thread: notices a generation declared failed, or the job stopped, while the main thread computes.
 
-It does not poll. It reads, on a connection of its own, its rank's wake key
-of the generation it watches (``Keys.wake(g, rank)``: a ``get`` blocks until
-the key is set), which the store answers the moment whoever fails the
-generation, or stops the job, sets every rank's wake key in one ``multi_set``
-(:func:`resilient_train.store.interrupt_generation`). The value names the
-generation a fault moved the run to (:attr:`GenerationWatcher.next_generation`),
-so the rank joins it without asking the store again. A job of N ranks puts no
-load on the store while nothing fails, and one request per rank when something does.
+It does not poll. It waits, on a connection of its own, for its rank's wake
+key of the generation it watches (``Keys.wake(g, rank)``), which the store
+answers the moment whoever fails the generation, or stops the job, sets
+every rank's wake key in one ``multi_set``
+(:func:`resilient_train.store.interrupt_generation`). A wake always means
+"join the next generation" (:attr:`GenerationWatcher.next_generation`): a
+fault moved the run there, and a stop failed that join before waking anyone,
+so the rank asks the store nothing more either way. A job of N ranks puts no
+load on the store while nothing fails, and one round trip per rank when
+something does.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ _IDLE_S = 1.0  # a watcher with nothing to watch looks again this often (thousan
 
 class GenerationWatcher:
     """Waits on the store; once the generation it watches is interrupted (failed, or the job
-    stopped), sets :attr:`moved` and calls ``on_moved`` (the NCCL abort). Which of the two it was
-    is the main thread's to read (``read_stop``), when it judges the failure.
+    stopped), sets :attr:`moved` and calls ``on_moved`` (the NCCL abort). Which of the two it was,
+    the rank learns by joining the next generation (a stop has failed that join).
 
     The main thread checks :attr:`moved` at every phase boundary and at the
     commit. ``moved`` is set *before* ``on_moved`` runs, so a main thread
@@ -44,7 +46,7 @@ class GenerationWatcher:
         self.moved = threading.Event()
         self.handled = threading.Event()  # on_moved returned (the abort is over): the groups may be released
         self._rank = rank
-        self.next_generation: int | None = None  # what the wake named: the generation a fault moved the run to
+        self.next_generation: int | None = None  # once moved: the generation to join (the watched one + 1)
         self._main = store  # close() wakes the thread through it
         self._store = store.clone()  # its own connection: its wait blocks it
         self._store.set_timeout(_LONG)  # its get ends when the key is set, the store goes, or close() sets it
@@ -106,8 +108,8 @@ class GenerationWatcher:
                 if self.generation >= 0 and not self.moved.is_set():
                     target: int | None = self.generation
                 elif self.moved.is_set() and self.next_generation is not None and self.next_generation != spent:
-                    # Moved: wait now on the key of the generation the wake named, which this rank is about to
-                    # join, so that watch() finds the wait in place and no thread has to wake for it.
+                    # Moved: wait now on the key of the next generation, which this rank is about to join, so
+                    # that watch() finds the wait in place and no thread has to wake for it.
                     target = self.next_generation
                 else:
                     target = None
@@ -119,7 +121,7 @@ class GenerationWatcher:
                 self._armed.clear()
                 continue
             try:
-                value = self._store.get(Keys.wake(target, self._rank))
+                self._store.wait([Keys.wake(target, self._rank)])  # one round trip: the value says nothing
             except Exception:  # noqa: BLE001  (the store is briefly unreachable: look again)
                 with self._lock:
                     self._waiting = None
@@ -134,7 +136,7 @@ class GenerationWatcher:
                     # itself), or it moved past it: wait for watch().
                     spent = target
                     continue
-                self.next_generation = Keys.next_generation(value)
+                self.next_generation = target + 1
                 self.moved.set()
             try:
                 self._on_moved()

@@ -1,6 +1,7 @@
 """A small supervised job that goes wrong on purpose, the ways a user's script does (argv[1] says how).
 
 * ``keyerror``: every step from step 3 raises KeyError (a plain bug);
+* ``keyerror-rank1``: rank 1 alone raises KeyError at every step from step 3 (its peers are woken by the stop);
 * ``transient``: rank 1 raises once, at step 3 (a passing glitch);
 * ``ddp-before``: DDP is built before ``sup.run`` (no process group exists yet);
 * ``ddp-once``: DDP is built only in the first ``on_new_group``; rank 1 then dies, and the old DDP is stale;
@@ -34,7 +35,7 @@ def on_new_group() -> None:
 
 
 def train_step(ctx: rt.StepContext) -> torch.Tensor:
-    if mode == "keyerror" and ctx.step >= 3:
+    if (mode == "keyerror" or (mode == "keyerror-rank1" and ctx.rank == 1)) and ctx.step >= 3:
         {}["missing"]
     if mode == "transient" and ctx.step == 3 and ctx.generation == 0 and ctx.rank == 1:
         raise RuntimeError("a passing glitch")

@@ -37,6 +37,22 @@ def test_an_exception_that_reproduces_on_its_replay_stops_the_job(tmp_path):
 
 
 @pytest.mark.timeout(150)
+def test_ranks_woken_by_a_stop_learn_it_from_their_next_join_and_report_no_fault(tmp_path):
+    """Rank 1's bug reproduces on its replay and stops the job. Rank 0, woken by the stop, reads nothing: it
+    joins the next generation, which the stopper failed before waking it, and reads the stop there."""
+    job = _run(tmp_path, "keyerror-rank1")
+    assert job.returncode == STOPPED, job.stderr[-3000:]
+    (stopped,) = job.of("job_stopped")
+    assert stopped["rank"] == 1 and stopped["generation"] == 1
+    mine = [e for e in job.of("fault_detected") if e["source"] == "rank0"]
+    # One fault for rank 0: the first KeyError's, said once its join brought the cause; the stop is no fault.
+    assert [(e["generation"], e["first_reporter"], (e["cause"] or {}).get("rank")) for e in mine] == [(0, False, 1)]
+    assert [e["generation"] for e in job.of("recovery_done") if e["source"] == "rank0"] == [1]
+    run_end = [e for e in job.of("run_end") if e["source"] == "rank0"]
+    assert len(run_end) == 1 and "raised again" in run_end[0]["stopped"]
+
+
+@pytest.mark.timeout(150)
 def test_a_transient_exception_is_recovered(tmp_path):
     job = _run(tmp_path, "transient")
     assert job.returncode == 0, job.stderr[-3000:]

@@ -79,7 +79,7 @@ def _member(rank: int, live: int | None):
 
 
 @pytest.mark.timeout(60)
-def test_a_woken_watcher_names_the_next_generation_and_the_rank_joins_it_without_asking() -> None:
+def test_a_woken_rank_joins_the_next_generation_without_asking() -> None:
     import threading
 
     from resilient_train import rendezvous
@@ -112,7 +112,7 @@ def test_a_woken_watcher_names_the_next_generation_and_the_rank_joins_it_without
         for t in threads:
             t.join(30)
         assert {r: (p.generation, p.step, p.cause) for r, p in plans.items()} == {r: (1, 5, cause) for r in range(world)}
-        # The watchers already wait on generation 1's keys: the next fault wakes them, naming generation 2.
+        # The watchers already wait on generation 1's keys: the next fault wakes them, to join generation 2.
         rendezvous.report_fault(agent, 1, {"rank": 0, "kind": "worker_exit"}, world_size=world)
         assert all(w.moved.wait(20) and w.next_generation == 2 for w in watchers)
     finally:
@@ -121,19 +121,36 @@ def test_a_woken_watcher_names_the_next_generation_and_the_rank_joins_it_without
 
 
 @pytest.mark.timeout(60)
-def test_a_stop_wakes_watchers_without_a_generation_to_join() -> None:
+def test_a_stopped_job_wakes_its_ranks_into_a_join_that_tells_them_so() -> None:
+    """A watcher only waits for its wake key: every wake sends the rank to the next generation. A stop fails
+    that join before it wakes anyone, so the rank, having asked nothing, learns of the stop there."""
     from resilient_train import rendezvous
-    from resilient_train.store import request_stop
+    from resilient_train.store import read_stop, request_stop
     from resilient_train.watch import GenerationWatcher
 
     _server, connect = _store()
     store = connect()
+    rank_store = connect()
     watcher = GenerationWatcher(connect(), rank=0, interval_s=0.05)
     try:
         watcher.watch(0)
         request_stop(store, {"summary": "a bug", "exit_code": 1})
-        rendezvous.interrupt_for_stop(store, world_size=1)
-        assert watcher.moved.wait(20) and watcher.next_generation is None  # the rank looks at the store
+        rendezvous.interrupt_for_stop(store, world_size=2)
+        assert watcher.moved.wait(20) and watcher.next_generation == 1
+        assert store.get(Keys.outcome(1)).decode() == Keys.FAILED  # settled before the wake: nothing waits
+        assert rendezvous.stop_after_failure(rank_store, watcher) is None  # a woken rank reads nothing
+        _, _, moved_to = rendezvous.leave_generation(rank_store, 0, {"rank": 0}, world_size=2, watcher=watcher)
+
+        class Stopped(Exception):
+            pass
+
+        def stopped() -> None:
+            if read_stop(rank_store) is not None:
+                raise Stopped()
+
+        with pytest.raises(Stopped):
+            rendezvous.enter_generation(rank_store, world_size=2, me=lambda: _member(0, 3), timeout=30,
+                                        stopped=stopped, moved_to=moved_to)
     finally:
         watcher.close()
 
