@@ -26,6 +26,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import queue
 import resource
 import sys
 import threading
@@ -217,6 +218,15 @@ def _guard(fn: Any, s: SimRank, errors: list[str]) -> None:
         errors.append(f"rank {s.rank}: {type(e).__name__}: {e}")
 
 
+def _main_thread(s: SimRank, jobs: "queue.SimpleQueue[Any]", errors: list[str]) -> None:
+    """A simulated rank's main thread: it lives as long as the rank, as a training process's does (a thread
+    started and ended per command would put 4,096 thread exits inside the change), and runs what it is handed."""
+    while (job := jobs.get()) is not None:
+        fn, done = job
+        _guard(fn, s, errors)
+        done.release()
+
+
 def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: list[int], conn: Any) -> None:
     """A client process: one thread per simulated rank, driven by commands from the bench over ``conn``."""
     threading.stack_size(256 * 1024)
@@ -232,16 +242,30 @@ def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: lis
     conn.send("connected")
     payload = _local_payload(0)
     errors: list[str] = []
-    armed: list[threading.Thread] = []
+    jobs: dict[SimRank, queue.SimpleQueue[Any]] = {}  # by rank object: a replacement has its rank's number
+    for s in [*sims.values(), *spare_sims.values()]:
+        jobs[s] = queue.SimpleQueue()
+        threading.Thread(target=_main_thread, args=(s, jobs[s], errors), name=f"sim{s.rank}", daemon=True).start()
+    armed = threading.Semaphore(0)  # released by each armed rank once it holds the plan
+    n_armed = 0
     joining: list[SimRank] = []
     spawned = threading.Event()
 
+    def hand(fn: Any, targets: list[SimRank], done: threading.Semaphore) -> None:
+        for s in targets:
+            jobs[s].put((fn, done))
+
+    def wait_done(done: threading.Semaphore, n: int) -> None:
+        deadline = time.monotonic() + cfg.timeout_s
+        for _ in range(n):
+            if not done.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
+                errors.append(f"client {idx}: a simulated rank did not finish in {cfg.timeout_s:.0f} s")
+                return
+
     def run_all(fn: Any, targets: list[SimRank]) -> None:
-        threads = [threading.Thread(target=_guard, args=(fn, s, errors), name=f"sim{s.rank}") for s in targets]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(cfg.timeout_s)
+        done = threading.Semaphore(0)
+        hand(fn, targets, done)
+        wait_done(done, len(targets))
 
     while True:
         cmd, arg = conn.recv()
@@ -260,7 +284,9 @@ def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: lis
         elif cmd == "die":
             for r in arg:
                 if r in sims:
-                    sims.pop(r).watcher.close()
+                    dead = sims.pop(r)
+                    dead.watcher.close()
+                    jobs[dead].put(None)  # its main thread ends with it
         elif cmd == "arm":  # each survivor's main thread waits for its watcher; each replacement for its spawn
             phase, lost = arg
             joining = [spare_sims.pop(r) for r in lost if r in spare_sims]
@@ -276,16 +302,14 @@ def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: lis
                 if not spawned.wait(cfg.timeout_s):
                     raise TimeoutError("never spawned")
                 s.join(phase)
-            armed = [threading.Thread(target=_guard, args=(survive, s, errors), name=f"sim{s.rank}")
-                     for s in sims.values()]
-            armed += [threading.Thread(target=_guard, args=(replace, s, errors), name=f"sim{s.rank}") for s in joining]
-            for t in armed:
-                t.start()
+            armed = threading.Semaphore(0)
+            n_armed = len(sims) + len(joining)
+            hand(survive, list(sims.values()), armed)
+            hand(replace, joining, armed)
         elif cmd == "spawn":
             spawned.set()
         elif cmd == "settle":
-            for t in armed:
-                t.join(cfg.timeout_s)
+            wait_done(armed, n_armed)
             for s in joining:
                 s.replacement = False
                 sims[s.rank] = s
@@ -300,6 +324,7 @@ def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: lis
         elif cmd == "exit":
             for s in sims.values():
                 s.watcher.close()
+                jobs[s].put(None)
             conn.send("bye")
             return
         conn.send("ok")
