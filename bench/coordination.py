@@ -181,7 +181,7 @@ class SimRank:
         self.live = plan.step if plan.step is not None else 0
         self.results[phase] = {"seen": self.seen_at, "joined": self.tally.joined_at, "planned": self.tally.planned_at,
                                "plan": t,
-                               "digest": _digest(plan)}
+                               "held": plan}  # digested after the change, outside its time
         return plan
 
     def recover(self) -> None:
@@ -202,6 +202,12 @@ class SimRank:
 def _digest(plan: ResumePlan) -> str:
     return json.dumps([plan.generation, plan.source.value, plan.step, sorted(plan.heal_from.items()),
                        plan.from_snapshot, plan.replacements])
+
+
+def _reported(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    return {k: v for k, v in result.items() if k != "held"} | {"digest": _digest(result["held"])}
 
 
 def _local_payload(step: int) -> bytes:
@@ -319,7 +325,7 @@ def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: lis
                        "bytes": sum(s.tally.bytes for s in every), "ranks": len(sims)})
             continue
         elif cmd == "results":
-            conn.send({"errors": errors, "results": {s.rank: s.results.get(arg) for s in sims.values()}})
+            conn.send({"errors": errors, "results": {s.rank: _reported(s.results.get(arg)) for s in sims.values()}})
             continue
         elif cmd == "exit":
             for s in sims.values():
