@@ -203,8 +203,8 @@ def join_generation(
 ) -> ResumePlan:
     """Joins the current generation; moves to the next one each time it fails.
 
-    ``generation``: the one to try first without reading the store's (what a
-    rank's wake named: the generation the fault moved the run to).
+    ``generation``: the one to try first without reading the store's (a
+    woken rank's: the one after the generation it watched).
 
     ``me()`` is called once per generation tried (what a rank holds does not
     change while it waits, but it is read fresh). Raises :class:`RunFinished`

@@ -66,6 +66,11 @@ class Judge:
             self._last_exception = (step, failure.signature, _text(exc))
         return failure
 
+    def not_recovering(self) -> None:
+        """The last recovery counted was none: the wake behind it was a stop's (found when the rank joined)."""
+        self.recoveries -= 1
+        self.without_progress -= 1
+
     def recovering(self, failure: Failure) -> Stop | None:
         """Counts a recovery; a stop when a budget is spent."""
         self.recoveries += 1

@@ -52,9 +52,9 @@ def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Mem
                      stopped: Callable[[], None], moved_to: int | None = None) -> ResumePlan:
     """Joins the current generation and returns its plan; :class:`RunFinished` once the run's final state is in.
 
-    ``moved_to``: the generation after the one whose wake woke this rank (a fault moved the run there). The
-    rank joins it straight away: a run that finished or stopped meanwhile settles it as FAILED, and the join
-    looks then.
+    ``moved_to``: the generation after the one whose wake woke this rank (where a fault moved the run; a
+    stop failed its join first). The rank joins it straight away: a run that finished or stopped settles it
+    as FAILED, and the join looks then.
     """
     if moved_to is None and store.check([Keys.FINAL]):
         raise RunFinished()

@@ -56,7 +56,7 @@ from resilient_train.rerun.part import RerunPart
 from resilient_train.rerun.save import save_for_stop, shared_table
 from resilient_train.sharded import Parallelize, ShardedModule
 from resilient_train.stepping import Stepper
-from resilient_train.store import Keys, connect_worker_store, read_stop, request_stop
+from resilient_train.store import Keys, connect_worker_store, read_fault, read_stop, request_stop
 from resilient_train.train_state import TrainState
 from resilient_train.watch import GenerationWatcher
 
@@ -176,7 +176,7 @@ class Supervisor:
                 try:
                     nxt = handlers[self.lifecycle.state]()
                 except RunFinished:
-                    self._say_woken_detection(stopped=False)
+                    self._say_woken_detection(None)
                     nxt = _S.DONE
                 except Exception as exc:  # noqa: BLE001  (every failure goes through the same judgement)
                     nxt = self._judge(exc)
@@ -282,7 +282,7 @@ class Supervisor:
         moved_to, self._moved_to = self._moved_to, None
         plan = enter_generation(self.store, world_size=self.env.world_size, me=me,
                                 timeout=self.config.join_timeout_s, stopped=self._raise_if_stopped, moved_to=moved_to)
-        self._say_woken_detection(stopped=False, cause=plan.cause)
+        self._say_woken_detection(plan)
         self.generation = plan.generation
         self._watcher.watch(plan.generation)
         self._enter(Phase.RENDEZVOUS.value, plan.step if plan.step is not None else self.state.step)
@@ -471,7 +471,7 @@ class Supervisor:
     # ------------------------------------------------------------ failures
     def _judge(self, exc: BaseException) -> SupervisorState:
         """A failure: recover it, or stop the job (a bug, a misuse, a full disk, no progress)."""
-        self._say_woken_detection(stopped=isinstance(exc, JobStopped))
+        self._say_woken_detection(None)
         stop = stop_after_failure(self.store, self._watcher) if not isinstance(exc, JobStopped) else None
         if isinstance(exc, JobStopped) or (stop is not None and stop.get("rank") != self.env.rank):
             self._stopped = exc if isinstance(exc, JobStopped) else JobStopped(stop["summary"], int(stop["exit_code"]))
@@ -501,12 +501,19 @@ class Supervisor:
         self._stopped = JobStopped(stood.get("summary", stop.reason), int(stood.get("exit_code", stop.exit_code)))
         return _S.FAILED
 
-    def _say_woken_detection(self, *, stopped: bool, cause: dict[str, Any] | None = None) -> None:
-        """A woken rank's ``fault_detected`` (with its time of detection, and the cause the plan brought),
-        unless the wake was a stop's."""
+    def _say_woken_detection(self, plan: ResumePlan | None) -> None:
+        """A woken rank's ``fault_detected``, once its join answered (``plan``) or failed (None), with the
+        cause that stands; none if the wake was a stop's (no fault was recorded), and no recovery counted."""
         detection, self._woken_detection = self._woken_detection, None
-        if detection is not None and not stopped:
-            self.events.emit("fault_detected", **(detection | ({"cause": cause} if cause is not None else {})))
+        if detection is None:
+            return
+        g = detection["generation"]
+        # The plan carries the cause of the generation before it: this fault's only if it is g + 1's plan.
+        cause = plan.cause if plan is not None and plan.generation == g + 1 else read_fault(self.store, g)
+        if plan is None and cause is None:
+            self.judge.not_recovering()
+            return
+        self.events.emit("fault_detected", **(detection | {"cause": cause}))
 
     def _raise_if_stopped(self) -> None:
         stop = read_stop(self.store)
@@ -541,6 +548,7 @@ class Supervisor:
             self.stepper.guard.restore()  # a fault before the commit: forward may have changed buffers
         spent = self.judge.recovering(failure)
         if spent is not None:
+            self._say_woken_detection(None)
             return self._stop_job(spent)
         self._timings = {"t_detect": t_detect, "abort_s": time.monotonic() - t0, "fault_step": float(self.ctx.step)}
         if cause is not None:

@@ -49,7 +49,7 @@ class GenerationWatcher:
         self.next_generation: int | None = None  # once moved: the generation to join (the watched one + 1)
         self._main = store  # close() wakes the thread through it
         self._store = store.clone()  # its own connection: its wait blocks it
-        self._store.set_timeout(_LONG)  # its get ends when the key is set, the store goes, or close() sets it
+        self._store.set_timeout(_LONG)  # its wait ends when the key is set, the store goes, or close() sets it
         self._interval_s = interval_s
         self._on_moved = on_moved
         self._stop = threading.Event()
@@ -62,8 +62,8 @@ class GenerationWatcher:
     def watch(self, generation: int) -> None:
         """Starts watching a newly joined generation.
 
-        The thread usually waits on its key already: after a fault it waits on
-        the key of the generation the wake named, the one this rank then joins.
+        The thread usually waits on its key already: once woken it waits on the
+        key of the next generation, the one this rank then joins.
         """
         with self._lock:
             self.generation = generation
@@ -93,7 +93,7 @@ class GenerationWatcher:
         self._thread.join(timeout)
 
     def _kick(self, generation: int, why: str) -> None:
-        """Ends the thread's wait on ``generation``'s key (the value is no generation: nothing moved)."""
+        """Ends the thread's wait on ``generation``'s key, a key the thread treats as spent (nothing moved)."""
         try:
             self._main.set(Keys.wake(generation, self._rank), why)
         except Exception:  # noqa: BLE001  (the store is gone: so is the thread's wait)

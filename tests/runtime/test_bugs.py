@@ -37,9 +37,11 @@ def test_an_exception_that_reproduces_on_its_replay_stops_the_job(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_ranks_woken_by_a_stop_learn_it_from_their_next_join_and_report_no_fault(tmp_path):
-    """Rank 1's bug reproduces on its replay and stops the job. Rank 0, woken by the stop, reads nothing: it
-    joins the next generation, which the stopper failed before waking it, and reads the stop there."""
+def test_a_peer_of_the_rank_that_stops_the_job_ends_with_the_stop_and_no_fault_of_its_own(tmp_path):
+    """Rank 1's bug reproduces on its replay and stops the job. Rank 0 is woken by the stop (or, if its
+    collective fails first, reads it): either way it ends with the stop, reports one fault (the first
+    KeyError's, with the cause), and the stop counts as none of its recoveries. Which path rank 0 took is
+    not pinned here: tests/runtime/test_coordination.py drives the woken one on a real store."""
     job = _run(tmp_path, "keyerror-rank1")
     assert job.returncode == STOPPED, job.stderr[-3000:]
     (stopped,) = job.of("job_stopped")
@@ -49,7 +51,7 @@ def test_ranks_woken_by_a_stop_learn_it_from_their_next_join_and_report_no_fault
     assert [(e["generation"], e["first_reporter"], (e["cause"] or {}).get("rank")) for e in mine] == [(0, False, 1)]
     assert [e["generation"] for e in job.of("recovery_done") if e["source"] == "rank0"] == [1]
     run_end = [e for e in job.of("run_end") if e["source"] == "rank0"]
-    assert len(run_end) == 1 and "raised again" in run_end[0]["stopped"]
+    assert len(run_end) == 1 and "raised again" in run_end[0]["stopped"] and run_end[0]["recoveries"] == 1
 
 
 @pytest.mark.timeout(150)

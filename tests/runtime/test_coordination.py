@@ -168,7 +168,7 @@ def test_a_stop_that_read_the_generation_before_a_fault_moved_it_still_ends_the_
     _server, connect = _store()
     store = connect()
     request_stop(store, {"summary": "a bug", "exit_code": 1})
-    interrupt_generation(store, 0, world_size=2)  # what interrupt_for_stop does, generation 0 read
+    interrupt_generation(store, 0, world_size=2)  # the stopper's wake of generation 0 alone (not its fail of 1)
     rendezvous.report_fault(store, 0, {"rank": 1, "kind": "worker_exit"}, world_size=2)
 
     class Stopped(Exception):
