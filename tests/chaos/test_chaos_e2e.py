@@ -25,6 +25,7 @@ from monitors.events import read_events
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 59 s in CI; the soak-short run below stays in the quick set
 @pytest.mark.timeout(420)
 def test_quick_matrix_every_fault_kind_passes(tmp_path: Path, chaos_reference_cache: Path) -> None:  # noqa: F811
     result = run_matrix(MatrixConfig(quick=True), out_dir=tmp_path / "matrix", cache_dir=chaos_reference_cache, echo=False)
