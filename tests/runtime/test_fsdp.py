@@ -163,6 +163,7 @@ def same_train_state(ref_dir, ours_dir, parts=("model", "optimizer", "replicated
         assert diff_states(ref[part], ours[part]) is None, (part, diff_states(ref[part], ours[part]))
 
 
+@pytest.mark.slow  # 35 s in CI; the 4-rank buddy loss is slow too, the buddy heal stays in the quick set
 @pytest.mark.timeout(300)
 def test_a_rank_and_its_buddy_lost_at_once_resume_from_disk(tmp_path, tmp_path_factory):
     """2 ranks: each holds the other's buddy copy, and both are SIGKILLed in step 5: no copy of either shard
