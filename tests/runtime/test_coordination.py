@@ -42,7 +42,10 @@ def test_64_ranks_agree_through_two_generation_changes() -> None:
     assert out["one_lost"]["ops_per_rank"] < 64  # O(1) requests per rank, not O(N)
     # A survivor: its watcher's wait, its membership, the plan's get (2 round trips); rank 0 and the agent
     # add a few, spread over 64 ranks. Anything more is a call someone put back on every rank.
-    assert out["one_lost"]["trips_per_rank"] <= 5 and out["steady"]["ops_per_rank"] == 1
+    assert out["one_lost"]["trips_per_rank"] <= 5
+    # A step: the local state's publish. A watcher that arms for generation 0 after the join's meter reading
+    # lands its one wait in the steady window (seen in CI: 1.05), so not exactly one.
+    assert out["steady"]["ops_per_rank"] < 1.5
 
 
 @pytest.mark.timeout(60)
