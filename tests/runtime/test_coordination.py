@@ -75,6 +75,20 @@ def _store():
     return server, lambda: job_store(dist.TCPStore("127.0.0.1", server.port, is_master=False), "t")
 
 
+class _Stopped(Exception):
+    pass
+
+
+def _raise_if_stopped(store):
+    """The ``stopped`` callback a join takes: raises once the job's stop is in ``store``."""
+    from resilient_train.store import read_stop
+
+    def stopped() -> None:
+        if read_stop(store) is not None:
+            raise _Stopped()
+    return stopped
+
+
 def _member(rank: int, live: int | None):
     import os
 
@@ -131,7 +145,7 @@ def test_a_stopped_job_wakes_its_ranks_into_a_join_that_tells_them_so() -> None:
     """A watcher only waits for its wake key: every wake sends the rank to the next generation. A stop fails
     that join before it wakes anyone, so the rank, having asked nothing, learns of the stop there."""
     from resilient_train import rendezvous
-    from resilient_train.store import read_stop, request_stop
+    from resilient_train.store import request_stop
     from resilient_train.watch import GenerationWatcher
 
     _server, connect = _store()
@@ -146,17 +160,9 @@ def test_a_stopped_job_wakes_its_ranks_into_a_join_that_tells_them_so() -> None:
         assert store.get(Keys.outcome(1)).decode() == Keys.FAILED  # settled before the wake: nothing waits
         assert rendezvous.stop_after_failure(rank_store, watcher) is None  # a woken rank reads nothing
         _, _, moved_to = rendezvous.leave_generation(rank_store, 0, {"rank": 0}, world_size=2, watcher=watcher)
-
-        class Stopped(Exception):
-            pass
-
-        def stopped() -> None:
-            if read_stop(rank_store) is not None:
-                raise Stopped()
-
-        with pytest.raises(Stopped):
+        with pytest.raises(_Stopped):
             rendezvous.enter_generation(rank_store, world_size=2, me=lambda: _member(0, 3), timeout=30,
-                                        stopped=stopped, moved_to=moved_to)
+                                        stopped=_raise_if_stopped(rank_store), moved_to=moved_to)
     finally:
         watcher.close()
 
@@ -166,7 +172,7 @@ def test_a_stop_that_read_the_generation_before_a_fault_moved_it_still_ends_the_
     """The stopper interrupts generation 0; a fault then moves the run to 1. Ranks woken by the fault join 1
     without looking: the fault's reporter sees the stop and fails 1, so the join ends at once, as stopped."""
     from resilient_train import rendezvous
-    from resilient_train.store import interrupt_generation, read_stop, request_stop
+    from resilient_train.store import interrupt_generation, request_stop
 
     _server, connect = _store()
     store = connect()
@@ -174,16 +180,9 @@ def test_a_stop_that_read_the_generation_before_a_fault_moved_it_still_ends_the_
     interrupt_generation(store, 0, world_size=2)  # the stopper's wake of generation 0 alone (not its fail of 1)
     rendezvous.report_fault(store, 0, {"rank": 1, "kind": "worker_exit"}, world_size=2)
 
-    class Stopped(Exception):
-        pass
-
-    def stopped() -> None:
-        if read_stop(store) is not None:
-            raise Stopped()
-
-    with pytest.raises(Stopped):
+    with pytest.raises(_Stopped):
         rendezvous.enter_generation(connect(), world_size=2, me=lambda: _member(0, 3), timeout=30,
-                                    stopped=stopped, moved_to=1)
+                                    stopped=_raise_if_stopped(store), moved_to=1)
 
 
 @pytest.mark.timeout(60)
