@@ -251,9 +251,10 @@ class HangDetector:
         """Merges saved observations (largest maxima win, counts add up).
 
         Every value is checked before anything is merged: a maximum must be a finite number in
-        [0, ``OBSERVED_SLACK`` x ``longest_timeout``], a count an integer in [0, ``MAX_COUNT``]. A bad
-        one raises ``ValueError`` (one line naming the field) and changes nothing. Sections this
-        version does not know, and the saved ``timeouts_s`` (computed again here), are ignored.
+        [0, ``OBSERVED_SLACK`` x ``longest_timeout``], a count an integer in [0, ``MAX_COUNT``], a saved
+        timeout a number in (0, ``MAX_SECONDS``] (then unused: timeouts are computed again here). A bad
+        one raises ``ValueError`` (one line naming the field) and changes nothing. Sections this version
+        does not know are ignored.
         """
         if not isinstance(state, dict):
             raise ValueError(f"the hang-detector state must be a mapping, got {kind(state)}")
@@ -265,6 +266,8 @@ class HangDetector:
                   for s, v in _known_sections(state, "observed_max_s").items()}
         counts = {s: require_int(n, f"hang.observations.{s}", low=0, high=MAX_COUNT)
                   for s, n in _known_sections(state, "observations").items()}
+        for s, t in _known_sections(state, "timeouts_s").items():  # checked too, though computed again here
+            require_number(t, f"hang.timeouts_s.{s}", above=0, high=MAX_SECONDS)
         for section, v in maxima.items():
             self._max[section] = max(self._max.get(section, 0.0), v)
         for section, n in counts.items():

@@ -235,8 +235,9 @@ class Agent:
             if self.monitor.load_state(self._monitor_state) is not None:
                 self.events.emit("monitor_state_loaded", path=str(self._monitor_state), source="run directory",
                                  timeouts_s=self.monitor.state_dict()["hang"]["timeouts_s"])
-        except ValueError as e:
+        except ValueError as e:  # a forged or stale file: the detector keeps its defaults, and says so once
             self.events.emit("monitor_state_ignored", path=str(self._monitor_state), reason=str(e))
+            print(f"resilient-train: saved hang timeouts ignored: {e}", file=sys.stderr, flush=True)
         self._monitor_saved_at = time.monotonic()
 
     @property
@@ -806,6 +807,7 @@ class Agent:
                              timeouts_s=self.monitor.state_dict()["hang"]["timeouts_s"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             self.events.emit("monitor_state_ignored", path=str(path), reason=f"{type(e).__name__}: {e}")
+            self._say(f"the checkpoint's hang timeouts are ignored: {e}")
 
     def _save_monitor_state(self) -> None:
         self._monitor_saved_at = time.monotonic()
