@@ -18,6 +18,7 @@ from pathlib import Path
 from monitors.cliargs import MAX_SECONDS, check_host, host, integer, number, port
 from resilient_train.agent import AgentConfig
 from resilient_train.entry import Entry, EntryKind
+from resilient_train.jobtoken import read_token_file
 from resilient_train.workerio import OutputConfig, parse_std_streams
 
 __all__ = ["add_run_arguments", "agent_config"]
@@ -83,6 +84,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--run-dir", default="runs/latest", help="events.jsonl, final/ and checkpoints go here (default runs/latest)")
     o.add_argument("--spare", action="store_true",
                    help="a spare node: wait, then take over a lost node's ranks (many-node jobs)")
+    o.add_argument("--job-token-file", default=None, metavar="PATH",
+                   help="many nodes: a file (mode 600) holding the job's secret, the same on every node "
+                        "(default: RT_JOB_TOKEN, else RUN_DIR/.job-token, made by the first agent)")
     o.add_argument("--node-timeout", type=number(above=0, high=MAX_SECONDS), default=10.0,
                    help="seconds without a node agent's beat before the node counts as lost (default 10)")
     o.add_argument("--max-replacements", type=integer(low=0), default=10,
@@ -238,7 +242,7 @@ def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
     return AgentConfig(
         entry=_entry(args), script_args=args.script_args, nproc_per_node=nproc, nnodes=nnodes,
         node_rank=node_rank, master_addr=master_addr, master_port=master_port or 0,
-        spare=args.spare, node_timeout_s=args.node_timeout,
+        spare=args.spare, node_timeout_s=args.node_timeout, job_token_file=_token_file(args.job_token_file),
         fixed_port=master_port not in (None, 0), run_id=run_id, role=args.role, run_dir=args.run_dir,
         max_restarts=args.max_restarts, max_replacements=args.max_replacements, warm_spare=not args.no_spare,
         chaos=args.chaos, monitor_interval_s=args.monitor_interval, output=output,
@@ -246,6 +250,13 @@ def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
         shutdown_timeout_s=30.0 if args.shutdown_timeout is None else args.shutdown_timeout,
         virtual_local_rank=args.virtual_local_rank, **extra,  # type: ignore[arg-type]
     )
+
+
+def _token_file(path: str | None) -> str | None:
+    """``--job-token-file``, read now: a bad one is one line before anything starts (resilient_train.jobtoken)."""
+    if path is not None:
+        read_token_file(path, "--job-token-file")
+    return path
 
 
 def _ranks_filter(value: str, nproc: int) -> frozenset[int] | None:
