@@ -90,10 +90,11 @@ def read_json_file(path: Path) -> Any:
         raise
     except OSError as e:
         raise ValueError(f"{path}: cannot be read: {e.strerror or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"{path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path}: not a regular file")
         if st.st_size > MAX_STATE_BYTES:
             raise ValueError(f"{path}: {st.st_size} bytes; a monitor state is at most {MAX_STATE_BYTES}")
         raw = f.read(MAX_STATE_BYTES + 1)

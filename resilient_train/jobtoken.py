@@ -57,10 +57,11 @@ def read_token_file(path: str | os.PathLike[str], what: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r}: cannot be read: {e.strerror or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"{what} {str(path)!r}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{what} {str(path)!r}: not a regular file")
         if st.st_uid != os.geteuid():
             raise ValueError(f"{what} {str(path)!r}: belongs to uid {st.st_uid}, not to this user: its owner knows "
                              "the job's secret")
