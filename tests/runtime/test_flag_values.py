@@ -22,12 +22,12 @@ from monitors.cliargs import OneLineParser
 from oneline import assert_one_line_exit_2, cli
 from resilient_train.cli import main
 
-QUICK = Path(__file__).resolve().parent / "misuse_script.py"  # any script: no row may ever get to run it
 SUBCOMMANDS = ("run", "ckpt", "status", "straggler", "dashboard", "chaos")
 
 # Paths every row can use, made by the ``paths`` fixture: FILE a regular file, DIR a directory that is no
 # run, RUN a finished run's directory, UNDER_FILE a path below a regular file (never creatable),
-# OPEN_TOKEN a token file others can read, SHORT_TOKEN one too short to be a secret.
+# OPEN_TOKEN a token file others can read, SHORT_TOKEN one too short to be a secret; QUICK, the script
+# every ``run`` row names, exits at once (a row that is not refused runs it, and fails on its exit 0).
 FILE, DIR, RUN, UNDER_FILE, OPEN_TOKEN, SHORT_TOKEN = ("{FILE}", "{DIR}", "{RUN}", "{FILE}/x", "{OPEN_TOKEN}",
                                                        "{SHORT_TOKEN}")
 NUMBERS = ("abc", "nan", "inf", "-inf", "1e308", "-1")  # for a flag of seconds
@@ -108,7 +108,7 @@ EXEMPT = {
 
 # What each command line needs besides the flag under test, so that the flag is the only thing wrong.
 _BASE = {
-    ("run",): (["--no-spare", "--run-dir", "{TMP}/run"], [str(QUICK)]),
+    ("run",): (["--no-spare", "--run-dir", "{TMP}/run"], ["{QUICK}"]),
     ("demo",): (["--run-dir", "{TMP}/demo"], []),
     ("ckpt", "ls"): ([], ["{RUN}"]),
     ("ckpt", "verify"): ([], ["{RUN}"]),
@@ -173,6 +173,7 @@ def test_every_flag_that_takes_a_value_has_bad_values() -> None:
 @pytest.fixture
 def paths(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "quick.py").write_text("")
     (tmp_path / "a-dir").mkdir()
     run = tmp_path / "finished-run"
     run.mkdir()
@@ -183,7 +184,7 @@ def paths(tmp_path: Path) -> dict[str, str]:
     short = tmp_path / "short-token"
     short.write_text("abc\n")
     os.chmod(short, 0o600)
-    return {"FILE": str(tmp_path / "a-file"), "DIR": str(tmp_path / "a-dir"), "RUN": str(run), "TMP": str(tmp_path),
+    return {"QUICK": str(tmp_path / "quick.py"), "FILE": str(tmp_path / "a-file"), "DIR": str(tmp_path / "a-dir"), "RUN": str(run), "TMP": str(tmp_path),
             "OPEN_TOKEN": str(open_token), "SHORT_TOKEN": str(short)}
 
 
