@@ -69,7 +69,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="address of the store, node 0 (default 127.0.0.1; under srun: the first host of the job)")
     t.add_argument("--master-port", "--master_port", type=port, default=None,
                    help="port of the store, kept across restarts (default: a free one)")
-    t.add_argument("--local-addr", "--local_addr", type=host("--local-addr"), default=None, help="accepted: one node connects on --master-addr")
+    t.add_argument("--local-addr", "--local_addr", type=host("--local-addr"), default=None,
+                   help="accepted: one node connects on --master-addr")
     t.add_argument("--logs-specs", "--logs_specs", default=None, help="refused: use --log-dir")
     t.add_argument("--numa-binding", "--numa_binding", default=None, help="refused (GPU affinity is not handled)")
     t.add_argument("--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
@@ -98,7 +99,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--dashboard", action="store_true",
                    help="serve the live dashboard of this job (prints its URL and control token; needs the dashboard extra)")
     o.add_argument("--dashboard-port", type=port, default=0, help="port of the dashboard (default 0: a free one)")
-    o.add_argument("--dashboard-host", type=host("--dashboard-host"), default="127.0.0.1", help="address the dashboard binds (default 127.0.0.1)")
+    o.add_argument("--dashboard-host", type=host("--dashboard-host"), default="127.0.0.1",
+                   help="address the dashboard binds (default 127.0.0.1)")
     p.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -148,8 +150,7 @@ def _endpoint(value: str) -> tuple[str, int | None]:
         raise ValueError(f"--rdzv-endpoint {value!r}: the port must be a number in [0, 65535]") from None
 
 
-_BOOLS = {"1": True, "true": True, "t": True, "yes": True, "y": True,
-          "0": False, "false": False, "f": False, "no": False, "n": False}  # torch's RendezvousParameters.get_as_bool
+_BOOLS = frozenset({"1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"})  # torch's RendezvousParameters.get_as_bool
 _RDZV_SECONDS = number(above=0, high=MAX_SECONDS, what="seconds")
 _RDZV_CONF_VALUES = {"keep_alive_max_attempt": integer(low=1), "is_host": None, "use_libuv": None}
 

@@ -184,12 +184,13 @@ def paths(tmp_path: Path) -> dict[str, str]:
     short = tmp_path / "short-token"
     short.write_text("abc\n")
     os.chmod(short, 0o600)
-    return {"QUICK": str(tmp_path / "quick.py"), "FILE": str(tmp_path / "a-file"), "DIR": str(tmp_path / "a-dir"), "RUN": str(run), "TMP": str(tmp_path),
-            "OPEN_TOKEN": str(open_token), "SHORT_TOKEN": str(short)}
+    return {"QUICK": str(tmp_path / "quick.py"), "FILE": str(tmp_path / "a-file"), "DIR": str(tmp_path / "a-dir"),
+            "RUN": str(run), "TMP": str(tmp_path), "OPEN_TOKEN": str(open_token), "SHORT_TOKEN": str(short)}
 
 
-def _children() -> set[int]:
-    """This process's live children (a refusal must start none)."""
+def _children() -> tuple[set[int], float]:
+    """This process's live children, and the CPU time of those it reaped (a refusal starts none: not one
+    still running, not one that ran and ended)."""
     me, out = os.getpid(), set()
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -199,7 +200,8 @@ def _children() -> set[int]:
                 continue
             if int(fields[1]) == me and fields[0] != b"Z":
                 out.add(int(name))
-    return out
+    times = os.times()
+    return out, times.children_user + times.children_system
 
 
 def _argv(path: tuple[str, ...], flag: str, value: str, paths: dict[str, str]) -> list[str]:
@@ -256,7 +258,7 @@ def test_a_bad_value_of_any_flag_is_one_line_and_exit_2(paths: dict[str, str], c
         lines = [line for line in err.splitlines() if line.strip()]
         name = needle or _long_name(path, flag)  # a positional's line names the value it was given
         named = len(lines) == 1 and (name in lines[0] if name else _fill(value, paths) in lines[0])
-        ok = code == 2 and named and "Traceback" not in err and _children() <= before
+        ok = code == 2 and named and "Traceback" not in err and _children() == before
         if not ok:
             failures.append(f"{' '.join(argv)}: exit {code}, stderr {err[-600:]!r}")
     assert not failures, "\n".join(failures)
