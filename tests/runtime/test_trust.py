@@ -6,10 +6,12 @@ import hashlib
 import json
 import os
 import select
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -168,21 +170,24 @@ def _stranger(port: int, pids: list[int], run: str) -> dict:
         token_file_denied = False
     except PermissionError:
         pass
+    parent_listed = Path(run).name in os.listdir(Path(run).parent)  # the run directory itself is what stops them
     words = [w for w in seen if w]
     guesses = words + [hashlib.sha256(f"resilient-train:{w}".encode()).hexdigest()[:32] for w in words]
     return {"cmdline_read": cmdline_read, "argv": words, "environ_denied": environ_denied,
-            "token_file_denied": token_file_denied, "found": _keys_under(port, guesses)}
+            "token_file_denied": token_file_denied, "parent_listed": parent_listed,
+            "found": _keys_under(port, guesses)}
 
 
 @pytest.mark.timeout(240)
-def test_with_no_token_given_another_local_user_cannot_find_the_jobs_namespace(tmp_path: Path) -> None:
+def test_with_no_token_given_another_local_user_cannot_find_the_jobs_namespace() -> None:
     """Issue 26: a two-node job on this machine, no RT_JOB_TOKEN. Another uid reads every agent's command
     line (``--rdzv-id`` included) but not their environment nor the run directory's token file, and no
     namespace it derives from what it read holds the job's keys; the real token's does."""
     if os.geteuid() != 0:
         pytest.skip("becoming another user (os.setuid in a forked child) needs root; the tests run as root in CI")
-    run = tmp_path / "run"
-    os.chmod(tmp_path, 0o755)  # the other user may look into the run directory's parent, not into it
+    base = Path(tempfile.mkdtemp(prefix="rt-trust-", dir="/tmp"))
+    os.chmod(base, 0o755)  # the other user may look into the run directory's parent (pytest's tmp is private)
+    run = base / "run"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RT_JOB_TOKEN"}
     agents = [subprocess.Popen(
@@ -200,7 +205,7 @@ def test_with_no_token_given_another_local_user_cannot_find_the_jobs_namespace(t
         if seen["cmdline_read"]:  # /proc is not mounted hidepid here: the id is there for anyone to read
             assert "job-id-in-ps" in seen["argv"], seen
         assert seen["found"] == [], seen  # no guess reaches the job's keys
-        assert seen["environ_denied"] and seen["token_file_denied"], seen
+        assert seen["environ_denied"] and seen["token_file_denied"] and seen["parent_listed"], seen
         token_file = run / ".job-token"
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and stat.S_IMODE(run.stat().st_mode) == 0o700
         token = token_file.read_text().strip()
@@ -215,3 +220,4 @@ def test_with_no_token_given_another_local_user_cannot_find_the_jobs_namespace(t
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
                 a.wait()
+        shutil.rmtree(base, ignore_errors=True)
