@@ -25,9 +25,10 @@ its cause, rank, phase, steps redone, and a hung rank's Python stacks); disk
 checkpoints (saves, stall, durable time, failures, verify failures).
 
 Controls: straggler detection on/off and its threshold, as `resilient-train
-straggler` sets them (effective at the detector's next report). They need the
-token printed on the console at start (the printed URL carries it); requests
-without it are refused with 403 and change nothing.
+straggler` sets them (effective at the detector's next report). Reading the
+run and the controls need the token printed on the console at start (the
+printed URL carries it, the page sends it in the X-Dashboard-Token header);
+requests without it are refused with 403, read nothing and change nothing.
 
 The server binds 127.0.0.1 unless --host says otherwise. `--export FILE` writes
 one self-contained HTML file instead (no server, no network needed to open it).
