@@ -16,6 +16,9 @@ import signal
 import sys
 from pathlib import Path
 
+from chaos.schedule import MAX_SEED
+from monitors.cliargs import OneLineParser, integer
+
 __all__ = ["LIBRARY", "main", "resolve_scenario"]
 
 LIBRARY = Path(__file__).resolve().parent / "scenarios"
@@ -32,8 +35,11 @@ def resolve_scenario(name: str) -> Path:
     raise ValueError(f"no scenario file {name!r} (and no library scenario of that name; see: resilient-train chaos list)")
 
 
+_SEED = integer(low=0, high=MAX_SEED)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="resilient-train chaos", description=__doc__.splitlines()[0],
+    p = OneLineParser(prog="resilient-train chaos", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run a scenario: fault-free reference, faulted run, invariants, report")
@@ -42,17 +48,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--cache-dir", default=None, help="where fault-free references are cached "
                      "(default ~/.cache/resilient-train/chaos-references)")
     run.add_argument("--no-cache", action="store_true", help="run the reference again even when cached")
-    run.add_argument("--seed", type=int, default=None, help="override the seed of a random schedule")
+    run.add_argument("--seed", type=_SEED, default=None, help="override the seed of a random schedule")
     mx = sub.add_parser("matrix", help="every fault kind at every phase on a small job; a pass/fail table")
     mx.add_argument("--quick", action="store_true", help="every kind once (rotating phases): the CI matrix")
     mx.add_argument("--kinds", default=None, help="comma-separated kinds (default: every kind the runtime survives)")
     mx.add_argument("--phases", default=None, help="comma-separated phases (default: all)")
-    mx.add_argument("--ranks", type=int, default=2, help="ranks of the small job (default 2)")
+    mx.add_argument("--ranks", type=integer(low=2), default=2, help="ranks of the small job (default 2)")
     mx.add_argument("--out", default="runs/chaos/matrix", help="reports go here (default runs/chaos/matrix)")
     mx.add_argument("--cache-dir", default=None, help="where the fault-free reference is cached")
     plan = sub.add_parser("plan", help="print the faults a scenario fires")
     plan.add_argument("scenario")
-    plan.add_argument("--seed", type=int, default=None)
+    plan.add_argument("--seed", type=_SEED, default=None)
     sub.add_parser("list", help="the scenario library")
     return p
 

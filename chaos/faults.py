@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Any, Iterable
 
 __all__ = [
-    "MAX_CHAOS_BYTES", "MAX_FAULTS", "RECOVERY_PHASES", "VALUE_KINDS", "Fault", "FaultKind", "Phase", "dumps_faults", "loads_faults",
+    "MAX_CHAOS_BYTES", "MAX_DURATION_S", "MAX_EPOCH_S", "MAX_FAULTS", "MAX_STEP", "RECOVERY_PHASES", "VALUE_KINDS", "Fault", "FaultKind", "Phase", "dumps_faults", "loads_faults",
     "parse_faults", "validate_faults",
 ]
 
@@ -17,6 +17,11 @@ __all__ = [
 # string at 128 KiB (MAX_ARG_STRLEN): past it every spawn fails with E2BIG. A fault is about 100 bytes.
 MAX_CHAOS_BYTES = 100_000
 MAX_FAULTS = 1000
+# Numbers a fault may hold: a lasting fault outlives no scenario (a week, chaos.scenario.MAX_TIMEOUT_S),
+# a step fits the int64 a checkpoint keeps it in, a wall-clock time is before the year 10000.
+MAX_DURATION_S = 7 * 24 * 3600.0
+MAX_STEP = 2**63 - 1
+MAX_EPOCH_S = 253402300799.0
 
 
 class FaultKind(str, Enum):
@@ -75,14 +80,15 @@ class Fault:
         object.__setattr__(self, "phase", _member(Phase, self.phase, "phase"))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"rank must be an integer >= 0, got {self.rank!r}")
-        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0):
-            raise ValueError(f"step must be an integer >= 0 or null, got {self.step!r}")
-        for name in ("not_before", "duration_s"):
+        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int)
+                                      or not 0 <= self.step <= MAX_STEP):
+            raise ValueError(f"step must be an integer in [0, {MAX_STEP}] or null, got {self.step!r}")
+        for name, high in (("not_before", MAX_EPOCH_S), ("duration_s", MAX_DURATION_S)):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                                  or v < 0 or (name == "duration_s" and v == 0)):
+                                  or v < 0 or (name == "duration_s" and v == 0) or v > high):
                 raise ValueError(f"{name} must be a finite number {'> 0' if name == 'duration_s' else '>= 0'} "
-                                 f"or null, got {v!r}")
+                                 f"and at most {high:g}, or null, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.faults import MAX_FAULTS
-from chaos.schedule import FixedSchedule, PlannedFault, RandomSchedule, Schedule
+from chaos.faults import MAX_DURATION_S, MAX_FAULTS
+from chaos.schedule import MAX_STEPS, FixedSchedule, PlannedFault, RandomSchedule, Schedule
 from monitors import MonitorConfig, max_local_ranks
 from monitors.configfile import (
     check_fields, kind, load_config_file, require_bool, require_int, require_number, require_str,
@@ -40,7 +40,7 @@ from monitors.configfile import (
 
 __all__ = ["MAX_TIMEOUT_S", "Invariants", "JobSpec", "Scenario", "load_scenario", "scenario_from_dict"]
 
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a scenario is a test: a week is past any that makes sense
+MAX_TIMEOUT_S = MAX_DURATION_S  # a scenario is a test: a week is past any that makes sense
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +65,7 @@ class JobSpec:
         if self.ranks > limit:
             raise ValueError(f"job.ranks {self.ranks}: at most {limit} on this node (monitors.max_local_ranks: "
                              f"4 per CPU core)")
-        require_int(self.steps, "job.steps", low=1)
+        require_int(self.steps, "job.steps", low=1, high=MAX_STEPS)
         require_str(self.steps_arg, "job.steps_arg", allow_none=True)
         if not isinstance(self.monitor, dict):
             raise ValueError(f"job.monitor must be a mapping, got {kind(self.monitor)}")
@@ -105,7 +105,7 @@ class Invariants:
             require_bool(getattr(self, name), f"invariants.{name}")
         for name in ("detect_timeout_s", "recover_timeout_s"):
             require_number(getattr(self, name), f"invariants.{name}", above=0, high=MAX_TIMEOUT_S)
-        require_int(self.max_steps_redone, "invariants.max_steps_redone", low=0)
+        require_int(self.max_steps_redone, "invariants.max_steps_redone", low=0, high=MAX_STEPS)
         require_int(self.min_faults, "invariants.min_faults", low=0, high=MAX_FAULTS)
 
 

@@ -13,12 +13,14 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from chaos.faults import MAX_FAULTS, RECOVERY_PHASES, Fault, FaultKind, Phase
+from chaos.faults import MAX_DURATION_S, MAX_FAULTS, RECOVERY_PHASES, Fault, FaultKind, Phase
 from monitors.configfile import require_int, require_number
 
 __all__ = [
     "DRIVER_KINDS",
     "FixedSchedule",
+    "MAX_SEED",
+    "MAX_STEPS",
     "PlannedFault",
     "RandomSchedule",
     "Schedule",
@@ -33,6 +35,8 @@ DRIVER_KINDS: tuple[str, ...] = (STORE_OUTAGE, CORRUPT_CKPT)
 # Kinds the runtime rides through without a recovery: no detection is required of them.
 TOLERATED_KINDS: frozenset[str] = frozenset({"slow", STORE_OUTAGE})
 STEP_PHASES: tuple[str, ...] = tuple(p.value for p in Phase if p not in RECOVERY_PHASES)
+MAX_SEED = 2**64 - 1  # seeds are in [0, MAX_SEED]
+MAX_STEPS = 10**9  # a scenario is a test: steps, gaps and step offsets stay below this
 
 
 def all_kinds() -> tuple[str, ...]:
@@ -59,11 +63,13 @@ class PlannedFault:
             raise ValueError(f"fault {self.kind!r}: ranks must be non-negative integers, got {self.ranks!r}")
         if self.phase is not None and not isinstance(self.phase, str):
             _bad_phase(self.phase)
+        if any(r > MAX_STEPS for r in self.ranks):
+            raise ValueError(f"fault {self.kind!r}: rank {max(self.ranks)} is past any job's ranks")
         if self.step is not None:
-            require_int(self.step, f"fault {self.kind!r}: step")
+            require_int(self.step, f"fault {self.kind!r}: step", high=MAX_STEPS)
         for name in ("at_s", "duration_s", "detect_timeout_s", "recover_timeout_s"):
             if getattr(self, name) is not None:
-                require_number(getattr(self, name), f"fault {self.kind!r}: {name}")
+                require_number(getattr(self, name), f"fault {self.kind!r}: {name}", high=MAX_DURATION_S)
         for name in ("detect_timeout_s", "recover_timeout_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"fault {self.kind!r}: {name} must be > 0, got {getattr(self, name)}")
@@ -162,22 +168,24 @@ class RandomSchedule:
     min_gap_steps: int = 0  # step-pinned faults at least this many steps apart (see above)
 
     def __post_init__(self) -> None:
-        require_int(self.seed, "random schedule: seed")
-        require_int(self.min_gap_steps, "random schedule: min_gap_steps", low=0)
+        require_int(self.seed, "random schedule: seed", low=0, high=MAX_SEED)
+        require_int(self.min_gap_steps, "random schedule: min_gap_steps", low=0, high=MAX_STEPS)
         if self.min_gap_steps and self.mtbf_s is not None:
             raise ValueError("random schedule: min_gap_steps applies to mtbf_steps (faults pinned to steps), "
                              "not to mtbf_s")
         if (self.mtbf_steps is None) == (self.mtbf_s is None):
             raise ValueError("random schedule: give exactly one of mtbf_steps and mtbf_s")
         mean = self.mtbf_steps if self.mtbf_steps is not None else self.mtbf_s
-        require_number(mean, "random schedule: the mean time between faults (mtbf_steps or mtbf_s)", above=0)
+        require_number(mean, "random schedule: the mean time between faults (mtbf_steps or mtbf_s)", above=0,
+                       high=MAX_STEPS if self.mtbf_steps is not None else MAX_DURATION_S)
         require_int(self.count, "random schedule: count", low=1)
         if self.count > MAX_FAULTS:
             raise ValueError(f"random schedule: count {self.count}; at most {MAX_FAULTS} (faults travel to every "
                              "worker in one environment variable, which Linux caps at 128 KiB)")
-        require_number(self.start, "random schedule: start", low=0)
+        require_number(self.start, "random schedule: start", low=0,
+                       high=MAX_STEPS if self.mtbf_steps is not None else MAX_DURATION_S)
         if self.duration_s is not None:
-            require_number(self.duration_s, "random schedule: duration_s", above=0)
+            require_number(self.duration_s, "random schedule: duration_s", above=0, high=MAX_DURATION_S)
         if not isinstance(self.kinds, tuple) or not isinstance(self.phases, tuple):
             raise ValueError("random schedule: kinds and phases must be lists")
         for k in self.kinds:

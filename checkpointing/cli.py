@@ -16,21 +16,22 @@ from checkpointing.dcp_io import METADATA_FILE, load_metadata
 from checkpointing.diff import diff_all, diff_states
 from checkpointing.manifest import MANIFEST_FILE, CheckpointError, verify_checkpoint
 from checkpointing.tree import Skeleton
+from monitors.cliargs import OneLineParser, integer
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser(prog: str = "resilient-train ckpt") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Inspect and verify checkpoints.")
+    p = OneLineParser(prog=prog, description="Inspect and verify checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="list the steps of a checkpoint root")
     ls.add_argument("dir", type=Path)
     v = sub.add_parser("verify", help="verify manifests and checksums; exit 1 naming the bad file")
     v.add_argument("dir", type=Path, help="a checkpoint root or one checkpoint directory")
-    v.add_argument("--step", type=int, default=None)
+    v.add_argument("--step", type=integer(low=0), default=None)
     i = sub.add_parser("inspect", help="tensors (shape, dtype, bytes) and plain values of a checkpoint")
     i.add_argument("dir", type=Path)
-    i.add_argument("--step", type=int, default=None)
+    i.add_argument("--step", type=integer(low=0), default=None)
     d = sub.add_parser("diff", help="bitwise comparison of two checkpoints; exit 0 only when equal")
     d.add_argument("a", type=Path)
     d.add_argument("b", type=Path)

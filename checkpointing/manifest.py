@@ -24,8 +24,8 @@ from checkpointing.durable import CHECKSUM_ALGORITHM, atomic_write_bytes, file_s
 from checkpointing.tree import check_skeleton
 
 __all__ = [
-    "FORMAT_VERSION", "MANIFEST_FILE", "MAX_JSON_DEPTH", "MAX_MANIFEST_BYTES", "CheckpointError", "FileEntry",
-    "Manifest", "is_plain_name", "verify_checkpoint",
+    "FORMAT_VERSION", "MANIFEST_FILE", "MAX_CREATED", "MAX_FILE_SIZE", "MAX_JSON_DEPTH", "MAX_MANIFEST_BYTES",
+    "MAX_STEP", "MAX_WORLD_SIZE", "CheckpointError", "FileEntry", "Manifest", "is_plain_name", "verify_checkpoint",
 ]
 
 MANIFEST_FILE = "manifest.json"
@@ -35,6 +35,12 @@ MAX_MANIFEST_BYTES = 64 * 2**20
 # JSON nesting: a state's skeleton is 3 levels per level of the state (tree.MAX_DEPTH), plus the envelope.
 MAX_JSON_DEPTH = 3 * 64 + 8
 _FORMAT_NAME = "resilient-train-checkpoint"
+# The ranges of the manifest's numbers. A step and a file size are int64 on disk and in torch; 2**24 ranks is
+# past any job (a reader allocates per rank); a creation time is before the year 10000 (what datetime shows).
+MAX_STEP = 2**63 - 1
+MAX_FILE_SIZE = 2**63 - 1
+MAX_WORLD_SIZE = 2**24
+MAX_CREATED = 253402300799.0
 
 
 class CheckpointError(Exception):
@@ -88,7 +94,12 @@ class Manifest:
     @classmethod
     def from_json(cls, data: Any) -> Manifest:
         """Checks every field's type and range: a manifest whose self-checksum matches may still be
-        forged, and nothing downstream should meet an infinite size or a list where a mapping belongs."""
+        forged, and nothing downstream should meet an infinite size or a list where a mapping belongs.
+
+        The runtime's own numbers are bounded (``MAX_*``). Two parts are other parties' data and are
+        checked by their readers: ``extras`` (a mapping; ``extras.monitors`` is checked, number by
+        number, by the hang detector that merges it) and the plain values inline in ``tree`` (the
+        user's state as saved: a ``float('inf')`` best loss is legitimate there)."""
         if not isinstance(data, dict) or data.get("format") != _FORMAT_NAME:
             raise ValueError("not a resilient-train checkpoint manifest")
         _check_depth(data)
@@ -96,28 +107,30 @@ class Manifest:
         body = {k: v for k, v in data.items() if k != "self_checksum"}
         if claimed != _canonical_digest(body):
             raise ValueError("manifest checksum mismatch (torn or edited manifest)")
-        version = _int(data, "version", low=0)
+        version = _int(data, "version", low=0, high=2**31)
         if version != FORMAT_VERSION:
             raise ValueError(f"unsupported manifest version {version} (this reader: {FORMAT_VERSION})")
         run_id = data.get("run_id")
         if run_id is not None and not isinstance(run_id, str):
             raise ValueError(f"run_id must be a string or null, got {type(run_id).__name__}")
         created = data.get("created")
-        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
-            raise ValueError(f"created must be a finite number, got {created!r}")
+        if (isinstance(created, bool) or not isinstance(created, (int, float))
+                or (isinstance(created, float) and not math.isfinite(created)) or not 0 <= created <= MAX_CREATED):
+            raise ValueError(f"created must be a finite number in [0, {MAX_CREATED:.0f}], got {_show(created)}")
+        world_size = _int(data, "world_size", low=1, high=MAX_WORLD_SIZE)
         files = _mapping(data, "files")
         entries = {name: _file_entry(name, e) for name, e in files.items()}
         tree = data.get("tree")
         check_skeleton(tree, "tree")
         local_trees: dict[int, dict[str, Any]] = {}
         for r, t in _mapping(data, "local_trees").items():
-            if not (isinstance(r, str) and r.isdecimal() and len(r) < 10):
-                raise ValueError(f"local_trees: {r!r} is not a rank")
+            if not (isinstance(r, str) and r.isascii() and r.isdecimal() and len(r) < 10 and int(r) < world_size):
+                raise ValueError(f"local_trees: {r[:24]!r} is not a rank of the {world_size} that saved it")
             check_skeleton(t, f"local_trees[{r}]")
             local_trees[int(r)] = t
         return cls(
-            step=_int(data, "step", low=0),
-            world_size=_int(data, "world_size", low=1),
+            step=_int(data, "step", low=0, high=MAX_STEP),
+            world_size=world_size,
             run_id=run_id,
             created=float(created),
             files=entries,
@@ -172,11 +185,17 @@ def _check_depth(data: Any) -> None:
             todo.extend((v, depth + 1) for v in node)
 
 
-def _int(data: dict[str, Any], name: str, *, low: int) -> int:
+def _int(data: dict[str, Any], name: str, *, low: int, high: int) -> int:
     v = data.get(name)
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {_show(v)}")
     return v
+
+
+def _show(v: Any) -> str:
+    """A value for a one-line message, however large a forged one is."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
 
 
 def _mapping(data: dict[str, Any], name: str) -> dict[str, Any]:
@@ -192,8 +211,8 @@ def _file_entry(name: Any, entry: Any) -> FileEntry:
     if not isinstance(entry, dict):
         raise ValueError(f"files[{name!r}] must be an object, got {type(entry).__name__}")
     size, digest = entry.get("size"), entry.get("sha256")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"files[{name!r}].size must be an integer >= 0, got {size!r}")
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_SIZE:
+        raise ValueError(f"files[{name[:60]!r}].size must be an integer in [0, {MAX_FILE_SIZE}], got {_show(size)}")
     if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
         raise ValueError(f"files[{name!r}].sha256 must be 64 lowercase hex digits")
     return FileEntry(size=size, sha256=digest)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from monitors.cliargs import OneLineParser, number
 from monitors.control import read_control, write_control
 from monitors.events import read_events
 from monitors.progress import ProgressReader
@@ -32,14 +33,14 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 def straggler_main(argv: list[str], out: TextIO | None = None) -> int:
     """``resilient-train straggler RUN_DIR [--on | --off] [--threshold X]``."""
     out = out or sys.stdout
-    p = argparse.ArgumentParser(prog="resilient-train straggler",
+    p = OneLineParser(prog="resilient-train straggler",
                                 description="Switch straggler detection of a running job on or off, "
                                             "or change its threshold; effective at the next report.")
     p.add_argument("run_dir")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--on", dest="enabled", action="store_const", const=True)
     g.add_argument("--off", dest="enabled", action="store_const", const=False)
-    p.add_argument("--threshold", type=float, default=None, help="score in (0, 1] below which a rank is slow")
+    p.add_argument("--threshold", type=number(above=0, high=1), default=None, help="score in (0, 1] below which a rank is slow")
     args = _parse(p, argv)
     if isinstance(args, int):
         return args
@@ -93,7 +94,7 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 def status_main(argv: list[str], out: TextIO | None = None) -> int:
     """``resilient-train status RUN_DIR``: ranks, step rate, straggler scores, faults, recoveries."""
     out = out or sys.stdout
-    p = argparse.ArgumentParser(prog="resilient-train status", description="Summarise a live or finished run.")
+    p = OneLineParser(prog="resilient-train status", description="Summarise a live or finished run.")
     p.add_argument("run_dir")
     args = _parse(p, argv)
     if isinstance(args, int):

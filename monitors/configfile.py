@@ -24,7 +24,9 @@ import yaml
 
 __all__ = [
     "MAX_CONFIG_BYTES",
+    "MAX_COUNT",
     "MAX_NESTING",
+    "MAX_SECONDS",
     "check_fields",
     "kind",
     "load_config_file",
@@ -37,6 +39,10 @@ __all__ = [
 
 MAX_CONFIG_BYTES = 1 << 20  # real configs and scenarios are a few KiB; this bounds what a crafted one costs
 MAX_NESTING = 32  # real ones are 4 deep; the YAML composer recurses once per level
+# Bounds on what a file may set: a week is past any timeout or interval a job means (and inside what
+# time.sleep and Event.wait take: 1e308 s overflows them); a billion is past any count of steps or polls.
+MAX_SECONDS = 7 * 24 * 3600.0
+MAX_COUNT = 10**9
 
 
 class _PlainLoader(yaml.SafeLoader):
@@ -118,15 +124,21 @@ def require_number(
     """A finite int or float (not a bool) with ``low <= value <= high`` and ``value > above``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {kind(value)}")
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # an int is finite, however large
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if above is not None and not value > above:
-        raise ValueError(f"{name} must be > {above:g}, got {value!r}")
+        raise ValueError(f"{name} must be > {above:g}, got {_show(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"in [{low:g}, {high:g}]" if low is not None and high is not None else (
             f">= {low:g}" if low is not None else f"<= {high:g}")
-        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+        raise ValueError(f"{name} must be {bounds}, got {_show(value)}")
     return value
+
+
+def _show(value: float) -> str:
+    """A number for a one-line message: a 4,000-digit integer is shown by its size."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"an integer of {len(text.lstrip('-'))} digits"
 
 
 def require_int(value: Any, name: str, *, low: int | None = None, high: int | None = None) -> int:

@@ -32,10 +32,11 @@ def control_path(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def read_control(run_dir: str | os.PathLike[str]) -> StragglerControl:
-    """The current overrides; a missing or unreadable file means none."""
+    """The current overrides; a missing or unreadable file means none, and so does a field of the wrong type
+    or out of range (a threshold must be a number in (0, 1], not a bool)."""
     try:
         data: Any = json.loads(control_path(run_dir).read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError):  # a directory in its place, not JSON: no overrides
         return StragglerControl()
     if not isinstance(data, dict):
         return StragglerControl()
@@ -43,7 +44,8 @@ def read_control(run_dir: str | os.PathLike[str]) -> StragglerControl:
     threshold = data.get("threshold")
     return StragglerControl(
         enabled=enabled if isinstance(enabled, bool) else None,
-        threshold=float(threshold) if isinstance(threshold, (int, float)) and 0 < threshold <= 1 else None,
+        threshold=float(threshold) if (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+                                       and 0 < threshold <= 1) else None,
     )
 
 

@@ -8,8 +8,9 @@ section's timeout. Timeouts are, in order of precedence:
 2. ``startup_timeout`` before a rank's first progress and in "startup";
    ``long_section_timeout`` in "load", "checkpoint" and "recovery";
 3. computed: the largest duration any rank has shown for the section, times
-   ``safety_factor`` (at least ``min_timeout``), once the section has been seen
-   ``min_observations`` times across ranks;
+   ``safety_factor`` (at least ``min_timeout``, at most the longest timeout the
+   configuration grants: ``HangConfig.longest_timeout``), once the section has
+   been seen ``min_observations`` times across ranks;
 4. ``default_timeout`` otherwise.
 
 Only ranks that report progress are watched: a rank with no slot (a plain
@@ -19,7 +20,10 @@ A respawned rank whose predecessor reported (``reset(..., expect_progress=True)`
 is watched from its spawn, so a replacement stuck in start-up is caught.
 
 The observed maxima are merged across ranks and across respawns, and export to
-plain JSON data (``state_dict``) so a checkpoint can carry them.
+plain JSON data (``state_dict``) so a checkpoint can carry them. Loading such
+data back (``load_state_dict``) checks every number first: a forged checkpoint
+saying every section once took 1e308 s would otherwise switch hang detection
+off (docs/security.md).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from monitors.configfile import kind, require_bool, require_int, require_number, require_strs
+from monitors.configfile import MAX_COUNT, MAX_SECONDS, kind, require_bool, require_int, require_number, require_strs
 from monitors.progress import ProgressReader, ProgressSnapshot
 from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS, Section
 
@@ -38,6 +42,10 @@ RECOVERY = Section.RECOVERY.value
 __all__ = ["Hang", "HangConfig", "HangDetector", "ranks_to_kill"]
 
 IMPOSSIBLE_READS_BEFORE_JUDGING = 20  # about a second of the agent's polls
+MAX_SAFETY_FACTOR = 100.0
+# A section a rank finished was shorter than the timeout applied to it (else the rank was killed), give or
+# take the agent's poll: a saved maximum above twice the longest timeout was not observed, it was written.
+OBSERVED_SLACK = 2.0
 
 
 @dataclass(kw_only=True)
@@ -62,12 +70,18 @@ class HangConfig:
         if unknown:
             raise ValueError(f"hang.timeouts: unknown sections {unknown}; expected some of {list(SECTIONS)}")
         for section, t in self.timeouts.items():
-            require_number(t, f"hang.timeouts.{section}", above=0)
-        for name in ("safety_factor", "min_timeout", "default_timeout", "startup_timeout", "long_section_timeout"):
-            require_number(getattr(self, name), f"hang.{name}", above=0)
-        require_int(self.min_observations, "hang.min_observations", low=1)
+            require_number(t, f"hang.timeouts.{section}", above=0, high=MAX_SECONDS)
+        for name in ("min_timeout", "default_timeout", "startup_timeout", "long_section_timeout"):
+            require_number(getattr(self, name), f"hang.{name}", above=0, high=MAX_SECONDS)
+        require_number(self.safety_factor, "hang.safety_factor", above=0, high=MAX_SAFETY_FACTOR)
+        require_int(self.min_observations, "hang.min_observations", low=1, high=MAX_COUNT)
         self.collective_sections = require_strs(self.collective_sections, "hang.collective_sections",
                                                 choices=SECTIONS)
+
+    @property
+    def longest_timeout(self) -> float:
+        """The longest timeout this configuration grants any section; a computed one never exceeds it."""
+        return max(self.default_timeout, self.startup_timeout, self.long_section_timeout, *self.timeouts.values())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +161,7 @@ class HangDetector:
         if section in LONG_SECTIONS:
             return c.long_section_timeout
         if c.computed and self._count.get(section, 0) >= c.min_observations:
-            return max(c.min_timeout, c.safety_factor * self._max[section])
+            return min(max(c.min_timeout, c.safety_factor * self._max[section]), c.longest_timeout)
         return c.default_timeout
 
     def poll(self, now: float | None = None) -> list[Hang]:
@@ -233,20 +247,42 @@ class HangDetector:
             "timeouts_s": {s: self.timeout(s) for s in SECTIONS},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Merges saved observations (largest maxima win, counts add up)."""
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported hang-detector state version {state.get('version')!r}")
-        for section, v in state.get("observed_max_s", {}).items():
-            if section in SECTIONS:
-                self._max[section] = max(self._max.get(section, 0.0), float(v))
-        for section, n in state.get("observations", {}).items():
-            if section in SECTIONS:
-                self._count[section] = self._count.get(section, 0) + int(n)
+    def load_state_dict(self, state: Any) -> None:
+        """Merges saved observations (largest maxima win, counts add up).
+
+        Every value is checked before anything is merged: a maximum must be a finite number in
+        [0, ``OBSERVED_SLACK`` x ``longest_timeout``], a count an integer in [0, ``MAX_COUNT``], a saved
+        timeout a number in (0, ``MAX_SECONDS``] (then unused: timeouts are computed again here). A bad
+        one raises ``ValueError`` (one line naming the field) and changes nothing. Sections this version
+        does not know are ignored.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"the hang-detector state must be a mapping, got {kind(state)}")
+        version = state.get("version")
+        if isinstance(version, bool) or version != 1:
+            raise ValueError(f"unsupported hang-detector state version {version!r}")
+        high = OBSERVED_SLACK * self.config.longest_timeout
+        maxima = {s: float(require_number(v, f"hang.observed_max_s.{s}", low=0, high=high))
+                  for s, v in _known_sections(state, "observed_max_s").items()}
+        counts = {s: require_int(n, f"hang.observations.{s}", low=0, high=MAX_COUNT)
+                  for s, n in _known_sections(state, "observations").items()}
+        for s, t in _known_sections(state, "timeouts_s").items():  # checked too, though computed again here
+            require_number(t, f"hang.timeouts_s.{s}", above=0, high=MAX_SECONDS)
+        for section, v in maxima.items():
+            self._max[section] = max(self._max.get(section, 0.0), v)
+        for section, n in counts.items():
+            self._count[section] = min(MAX_COUNT, self._count.get(section, 0) + n)
 
     def close(self) -> None:
         for reader in self._readers.values():
             reader.close()
+
+
+def _known_sections(state: dict[str, Any], name: str) -> dict[str, Any]:
+    values = state.get(name, {})
+    if not isinstance(values, dict):
+        raise ValueError(f"hang.{name} must be a mapping of section to a number, got {kind(values)}")
+    return {s: v for s, v in values.items() if s in SECTIONS}
 
 
 def ranks_to_kill(hangs: list[Hang], collective_sections: Iterable[str]) -> list[int]:

@@ -26,7 +26,7 @@ from monitors.events import EventLog
 from monitors.hang import Hang, HangConfig, HangDetector, ranks_to_kill
 from monitors.jobwide import JobWideBest
 from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
-from monitors.persist import write_json_atomic
+from monitors.persist import read_json_file, write_json_atomic
 from monitors.straggler import StragglerConfig, StragglerDetector, StragglerReport
 
 __all__ = ["MAX_RANKS_PER_CORE", "MetricsConfig", "MonitorConfig", "MonitorResult", "NodeMonitor", "max_local_ranks"]
@@ -264,11 +264,12 @@ class NodeMonitor:
         computed timeouts). Returns the state loaded, None when there is no file. A file that does not
         parse raises ValueError."""
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            state = read_json_file(Path(path))
         except FileNotFoundError:
             return None
+        except ValueError as e:
+            raise ValueError(f"monitor state {e}") from None
         try:
-            state = json.loads(text)
             if not isinstance(state, dict):
                 raise ValueError("not a JSON object")
             self.load_state_dict(state)

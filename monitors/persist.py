@@ -11,22 +11,29 @@ the rank that loaded the checkpoint writes it to
 that file into its detector and removes it.
 
 Only JSON moves between the processes; files are written to a temporary name
-and renamed, so a reader never sees half of one.
+and renamed, so a reader never sees half of one. Nothing read back is trusted:
+a file must be a regular one of at most :data:`MAX_STATE_BYTES`, and every
+number in it is checked by the detector that merges it
+(``HangDetector.load_state_dict``), since a checkpoint's extras are whatever
+its writer put there.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
+from monitors.configfile import MAX_COUNT, kind
 from monitors.safefiles import write_atomic
 
-__all__ = ["CHECKPOINT_EXTRAS_KEY", "monitor_state_path", "offer_from_checkpoint", "offered_state_path",
-           "read_monitor_state", "take_offer", "write_json_atomic"]
+__all__ = ["CHECKPOINT_EXTRAS_KEY", "MAX_STATE_BYTES", "monitor_state_path", "offer_from_checkpoint",
+           "offered_state_path", "read_json_file", "read_monitor_state", "take_offer", "write_json_atomic"]
 
 CHECKPOINT_EXTRAS_KEY = "monitors"
+MAX_STATE_BYTES = 1 << 20  # a saved state is about 1 KiB
 
 
 def monitor_state_path(run_dir: str | os.PathLike[str]) -> Path:
@@ -40,7 +47,7 @@ def offered_state_path(run_dir: str | os.PathLike[str]) -> Path:
 def read_monitor_state(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The agent's last saved state, for a checkpoint; None when there is none or it does not parse."""
     try:
-        state = json.loads(monitor_state_path(run_dir).read_text(encoding="utf-8"))
+        state = read_json_file(monitor_state_path(run_dir))
     except (OSError, ValueError):  # a side file must never fail a checkpoint
         return None
     return state if isinstance(state, dict) else None
@@ -54,23 +61,49 @@ def offer_from_checkpoint(run_dir: str | os.PathLike[str], state: dict[str, Any]
 def take_offer(run_dir: str | os.PathLike[str]) -> tuple[int | None, dict[str, Any]] | None:
     """The agent's side of ``offer_from_checkpoint``: ``(step, state)``, or None when nothing is offered.
 
-    The file is removed whatever it holds; one that does not parse raises ``ValueError``.
+    The file is removed whatever it holds; one that does not parse, or whose step is not an integer
+    in [0, ``MAX_COUNT``] (or null), raises ``ValueError``.
     """
     path = offered_state_path(run_dir)
     try:
-        text = path.read_text(encoding="utf-8")
+        offer = read_json_file(path)
     except FileNotFoundError:
         return None
     finally:
         path.unlink(missing_ok=True)
-    try:
-        offer = json.loads(text)
-        step, state = offer.get("step"), offer["state"]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: {type(e).__name__}: {e}") from None
+    if not isinstance(offer, dict) or "state" not in offer:
+        raise ValueError(f"{path}: not an offer (a mapping with a state)")
+    step, state = offer.get("step"), offer["state"]
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_COUNT):
+        raise ValueError(f"{path}: step must be an integer in [0, {MAX_COUNT}] or null, got {step!r}")
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: the state is not a JSON object")
+        raise ValueError(f"{path}: the state is not a JSON object (got {kind(state)})")
     return step, state
+
+
+def read_json_file(path: Path) -> Any:
+    """The JSON in ``path``: a regular file of at most :data:`MAX_STATE_BYTES` (not a FIFO or ``/dev/zero``
+    behind a link). ``FileNotFoundError`` when there is none; ``ValueError`` (one line) for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read: {e.strerror or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"{path}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > MAX_STATE_BYTES:
+            raise ValueError(f"{path}: {st.st_size} bytes; a monitor state is at most {MAX_STATE_BYTES}")
+        raw = f.read(MAX_STATE_BYTES + 1)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON: {e}") from None
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from monitors.configfile import require_bool, require_int, require_number, require_strs
+from monitors.configfile import MAX_COUNT, MAX_SECONDS, require_bool, require_int, require_number, require_strs
 from monitors.control import read_control
 from monitors.jobwide import JobWideBest
 from monitors.progress import ProgressReader
@@ -50,9 +50,9 @@ class StragglerConfig:
     def __post_init__(self) -> None:
         require_bool(self.enabled, "straggler.enabled")
         require_number(self.threshold, "straggler.threshold", above=0, high=1)
-        require_number(self.report_interval_s, "straggler.report_interval_s", above=0)
-        require_int(self.patience, "straggler.patience", low=1)
-        require_int(self.min_steps, "straggler.min_steps", low=1)
+        require_number(self.report_interval_s, "straggler.report_interval_s", above=0, high=MAX_SECONDS)
+        require_int(self.patience, "straggler.patience", low=1, high=MAX_COUNT)
+        require_int(self.min_steps, "straggler.min_steps", low=1, high=MAX_COUNT)
         if self.policy not in POLICIES:
             raise ValueError(f"straggler.policy must be one of {list(POLICIES)}, got {self.policy!r}")
         self.sections = require_strs(self.sections, "straggler.sections", choices=SECTIONS)

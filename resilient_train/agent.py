@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
-import hashlib
 import json
 import os
 import select
@@ -41,6 +40,7 @@ from monitors.persist import monitor_state_path, offered_state_path, take_offer
 from monitors.stacks import DUMP_WAIT_S, StackDumps
 from resilient_train import env as E
 from resilient_train.entry import Entry, EntryKind
+from resilient_train.jobtoken import check_fingerprint, publish_fingerprint, shared_token
 from resilient_train.nodes import Heartbeat, NodeKeys, NodeWatch, assign_spare, claim_loss, register_node, register_spare, wait_for_assignment
 from resilient_train.restarts import Decision, ExitClock, Failure, RestartPolicy
 from resilient_train.workerio import Console, OutputConfig, WorkerOutput
@@ -105,6 +105,7 @@ class AgentConfig:
     virtual_local_rank: bool = False
     spare: bool = False  # a spare node's agent: it waits, then takes over a lost node (resilient_train.nodes)
     node_timeout_s: float = 10.0  # a node whose agent has not beaten for this long is lost
+    job_token_file: str | None = None  # many nodes: the file holding the job's secret (resilient_train.jobtoken)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
     dashboard: DashboardConfig | None = None  # serve the live dashboard (monitors.dashboard) while the job runs
 
@@ -186,13 +187,17 @@ class Agent:
         self._stacks = StackDumps(self.run_dir)
         self._attempt = 0  # whole-group restarts (unsupervised scripts)
         self._server: dist.Store | None = None
-        self._token = job_token(config)
+        self._token, self._token_source = job_token(config)
         if self._hosting:
             self.store = self._host_store(config.master_port)
             self.port = self._server.port  # type: ignore[union-attr]  (every attempt keeps it)
         else:
             self.store = self._connect_store()
             self.port = config.master_port
+            try:  # the same secret as node 0's, or nothing this node writes would be read
+                check_fingerprint(self._server, self._token, source=self._token_source)  # type: ignore[arg-type]
+            except ValueError as e:
+                raise AgentError(str(e)) from None
         self._monitor_for(config.node_rank, waiting=config.spare)
         self._nodes = NodeWatch(self.store, config.node_rank, config.nnodes, config.node_timeout_s)
         self._handled_losses: set[tuple[int, int]] = set()
@@ -235,8 +240,9 @@ class Agent:
             if self.monitor.load_state(self._monitor_state) is not None:
                 self.events.emit("monitor_state_loaded", path=str(self._monitor_state), source="run directory",
                                  timeouts_s=self.monitor.state_dict()["hang"]["timeouts_s"])
-        except ValueError as e:
+        except ValueError as e:  # a forged or stale file: the detector keeps its defaults, and says so once
             self.events.emit("monitor_state_ignored", path=str(self._monitor_state), reason=str(e))
+            print(f"resilient-train: saved hang timeouts ignored: {e}", file=sys.stderr, flush=True)
         self._monitor_saved_at = time.monotonic()
 
     @property
@@ -281,6 +287,8 @@ class Agent:
         self._server = store  # keeps the server alive; the agent itself talks through an attempt's keys
         if self.config.nnodes == 1:
             self._token = new_token()  # a fresh secret namespace each attempt
+        else:
+            publish_fingerprint(store, self._token)
         view = attempt_store(job_store(store, self._token), self._attempt)
         view.set(Keys.GENERATION, "0")
         return view
@@ -806,6 +814,7 @@ class Agent:
                              timeouts_s=self.monitor.state_dict()["hang"]["timeouts_s"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             self.events.emit("monitor_state_ignored", path=str(path), reason=f"{type(e).__name__}: {e}")
+            self._say(f"the checkpoint's hang timeouts are ignored: {e}")
 
     def _save_monitor_state(self) -> None:
         self._monitor_saved_at = time.monotonic()
@@ -838,15 +847,13 @@ def _kill_reason(cause: dict) -> str:
     return "a straggler (straggler policy: replace)"
 
 
-def job_token(config: AgentConfig) -> str:
-    """The job's secret namespace in the store; the agents of a many-node job must share it."""
+def job_token(config: AgentConfig) -> tuple[str, str]:
+    """The job's secret namespace in the store and where it came from; the agents of a many-node job share it
+    (resilient_train.jobtoken: never derived from --rdzv-id, which ``ps`` shows)."""
     if config.nnodes == 1:
-        return new_token()
-    shared = os.environ.get(E.RT_JOB_TOKEN)
-    if shared:
-        return shared
-    if config.run_id != "none":
-        # Anyone who knows the id can reach the job's keys: RT_JOB_TOKEN (a secret) is better (docs/security.md).
-        return hashlib.sha256(f"resilient-train:{config.run_id}".encode()).hexdigest()[:32]
-    raise AgentError("--nnodes > 1 needs a job id the nodes share: --rdzv-id ID, or a secret RT_JOB_TOKEN "
-                     "in every node's environment")
+        return new_token(), "drawn by the agent"
+    try:
+        return shared_token(token_file=config.job_token_file, environ_token=os.environ.get(E.RT_JOB_TOKEN),
+                            run_dir=Path(config.run_dir))
+    except ValueError as e:
+        raise AgentError(str(e)) from None

@@ -39,7 +39,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         args, dashboard=DashboardConfig(host=args.dashboard_host, port=args.dashboard_port) if args.dashboard else None,
     )
     monitor = check_run_inputs(nproc_per_node=config.nproc_per_node, nnodes=config.nnodes, chaos=args.chaos,
-                               monitor_config=args.monitor_config)
+                               monitor_config=args.monitor_config, log_dir=args.log_dir)
     if monitor is not None:
         config.monitor = monitor
     try:
@@ -77,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         from chaos.cli import main as chaos_main
 
         return chaos_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="resilient-train", description=__doc__.splitlines()[0])
+    from monitors.cliargs import OneLineParser, integer
+
+    parser = OneLineParser(prog="resilient-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _run_parser(sub)
     demo = sub.add_parser("demo", help="a 4-rank GPT job with a killed and a failing rank, compared with a fault-free run")
-    demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    demo.add_argument("--nproc-per-node", type=int, default=4, help="ranks (default 4)")
+    demo.add_argument("--steps", type=integer(low=1), default=60, help="training steps (default 60)")
+    demo.add_argument("--nproc-per-node", type=integer(low=1), default=4, help="ranks (default 4)")
     demo.add_argument("--run-dir", default="runs/demo", help="where the two runs go (default runs/demo)")
     sub.add_parser("ckpt", help="list, verify, inspect and diff checkpoints (see: resilient-train ckpt --help)")
     sub.add_parser("status", help="summary of a live or finished run (see: resilient-train status --help)")

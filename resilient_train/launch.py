@@ -15,8 +15,10 @@ import shutil
 import uuid
 from pathlib import Path
 
+from monitors.cliargs import MAX_SECONDS, check_host, host, integer, number, port
 from resilient_train.agent import AgentConfig
 from resilient_train.entry import Entry, EntryKind
+from resilient_train.jobtoken import read_token_file
 from resilient_train.workerio import OutputConfig, parse_std_streams
 
 __all__ = ["add_run_arguments", "agent_config"]
@@ -39,9 +41,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--rdzv-id", "--rdzv_id", default="none", help="the job's id (TORCHELASTIC_RUN_ID)")
     t.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="KEY=VALUE,... rendezvous settings (accepted, see README)")
     t.add_argument("--standalone", action="store_true", help="one node, the store on a free local port")
-    t.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+    t.add_argument("--max-restarts", "--max_restarts", type=integer(low=0), default=0,
                    help="restarts of every worker before giving up (default 0, as torchrun)")
-    t.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.05,
+    t.add_argument("--monitor-interval", "--monitor_interval", type=number(above=0, high=60), default=0.05,
                    help="seconds between looks at the workers (default 0.05)")
     t.add_argument("--start-method", "--start_method", default="spawn", choices=("spawn", "fork", "forkserver"),
                    help="accepted: a script's workers are always fresh processes, as under torchrun")
@@ -61,19 +63,20 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="refused: use --log-dir")
     t.add_argument("--duplicate-stderr-filters", "--duplicate_stderr_filters", nargs="*", default=[],
                    help="refused: use --log-dir")
-    t.add_argument("--node-rank", "--node_rank", type=int, default=None,
+    t.add_argument("--node-rank", "--node_rank", type=integer(low=0), default=None,
                    help="this node's rank (default 0; under srun: SLURM_NODEID)")
     t.add_argument("--master-addr", "--master_addr", default=None,
                    help="address of the store, node 0 (default 127.0.0.1; under srun: the first host of the job)")
-    t.add_argument("--master-port", "--master_port", type=int, default=None,
+    t.add_argument("--master-port", "--master_port", type=port, default=None,
                    help="port of the store, kept across restarts (default: a free one)")
-    t.add_argument("--local-addr", "--local_addr", default=None, help="accepted: one node connects on --master-addr")
+    t.add_argument("--local-addr", "--local_addr", type=host("--local-addr"), default=None,
+                   help="accepted: one node connects on --master-addr")
     t.add_argument("--logs-specs", "--logs_specs", default=None, help="refused: use --log-dir")
     t.add_argument("--numa-binding", "--numa_binding", default=None, help="refused (GPU affinity is not handled)")
     t.add_argument("--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                    help="signals forwarded to the workers before the agent exits (SIGUSR1 added: Slurm's "
                         "--signal; Supervisor ranks take SIGTERM and SIGUSR1 for a preemption)")
-    t.add_argument("--shutdown-timeout", "--shutdown_timeout", type=float, default=None,
+    t.add_argument("--shutdown-timeout", "--shutdown_timeout", type=number(low=0, high=MAX_SECONDS), default=None,
                    help="seconds the workers get after a forwarded signal before SIGKILL (default 30)")
     t.add_argument("--virtual-local-rank", "--virtual_local_rank", action="store_true",
                    help="LOCAL_RANK=0 for every worker, each seeing only its own GPU")
@@ -82,9 +85,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--run-dir", default="runs/latest", help="events.jsonl, final/ and checkpoints go here (default runs/latest)")
     o.add_argument("--spare", action="store_true",
                    help="a spare node: wait, then take over a lost node's ranks (many-node jobs)")
-    o.add_argument("--node-timeout", type=float, default=10.0,
+    o.add_argument("--job-token-file", default=None, metavar="PATH",
+                   help="many nodes: a file (mode 600) holding the job's secret, the same on every node "
+                        "(default: RT_JOB_TOKEN, else RUN_DIR/.job-token, made by the first agent)")
+    o.add_argument("--node-timeout", type=number(above=0, high=MAX_SECONDS), default=10.0,
                    help="seconds without a node agent's beat before the node counts as lost (default 10)")
-    o.add_argument("--max-replacements", type=int, default=10,
+    o.add_argument("--max-replacements", type=integer(low=0), default=10,
                    help="in-place replacements of dead Supervisor ranks before giving up (default 10)")
     o.add_argument("--no-spare", action="store_true", help="do not keep a warm spare worker")
     o.add_argument("--chaos", default="", help="JSON list of faults to inject (see the chaos package)")
@@ -92,8 +98,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="YAML/JSON file with hang, straggler and metrics settings (see monitors.MonitorConfig)")
     o.add_argument("--dashboard", action="store_true",
                    help="serve the live dashboard of this job (prints its URL and control token; needs the dashboard extra)")
-    o.add_argument("--dashboard-port", type=int, default=0, help="port of the dashboard (default 0: a free one)")
-    o.add_argument("--dashboard-host", default="127.0.0.1", help="address the dashboard binds (default 127.0.0.1)")
+    o.add_argument("--dashboard-port", type=port, default=0, help="port of the dashboard (default 0: a free one)")
+    o.add_argument("--dashboard-host", type=host("--dashboard-host"), default="127.0.0.1",
+                   help="address the dashboard binds (default 127.0.0.1)")
     p.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -134,16 +141,22 @@ def _nproc(value: str) -> int:
 
 
 def _endpoint(value: str) -> tuple[str, int | None]:
-    host, sep, port = value.rpartition(":") if value.count(":") == 1 or value.startswith("[") else ("", "", "")
+    host, sep, port_text = value.rpartition(":") if value.count(":") == 1 or value.startswith("[") else ("", "", "")
     if not sep:
         return value.strip("[]"), None
     try:
-        return host.strip("[]"), int(port)
-    except ValueError:
-        raise ValueError(f"--rdzv-endpoint {value!r}: the port must be a number") from None
+        return host.strip("[]"), port(port_text)
+    except argparse.ArgumentTypeError:
+        raise ValueError(f"--rdzv-endpoint {value!r}: the port must be a number in [0, 65535]") from None
+
+
+_BOOLS = frozenset({"1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"})  # torch's RendezvousParameters.get_as_bool
+_RDZV_SECONDS = number(above=0, high=MAX_SECONDS, what="seconds")
+_RDZV_CONF_VALUES = {"keep_alive_max_attempt": integer(low=1), "is_host": None, "use_libuv": None}
 
 
 def _rdzv_conf(value: str) -> dict[str, str]:
+    """torchrun's c10d keys, each value of its kind (seconds, a count, a bool), as torch reads them."""
     conf: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in value.split(","))):
         key, sep, v = item.partition("=")
@@ -151,6 +164,15 @@ def _rdzv_conf(value: str) -> dict[str, str]:
             raise ValueError(f"--rdzv-conf: {item!r} is not KEY=VALUE")
         if key not in _RDZV_CONF_KEYS:
             raise ValueError(f"--rdzv-conf: unknown key {key!r} (known: {', '.join(_RDZV_CONF_KEYS)})")
+        convert = _RDZV_CONF_VALUES.get(key, _RDZV_SECONDS)
+        if convert is None:
+            if v.strip().lower() not in _BOOLS:
+                raise ValueError(f"--rdzv-conf: {key}={v!r}: expected a boolean (1/0, true/false, yes/no)")
+        else:
+            try:
+                convert(v)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"--rdzv-conf: {key}: {e}") from None
         conf[key] = v
     return conf
 
@@ -208,9 +230,10 @@ def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
         master_addr, master_port = "127.0.0.1", 0
         run_id = str(uuid.uuid4())
     elif args.rdzv_endpoint:
-        host, port = _endpoint(args.rdzv_endpoint)
-        master_addr = host or master_addr
-        master_port = port if port is not None else C10D_DEFAULT_PORT
+        endpoint_host, endpoint_port = _endpoint(args.rdzv_endpoint)
+        master_addr = endpoint_host or master_addr
+        master_port = endpoint_port if endpoint_port is not None else C10D_DEFAULT_PORT
+    check_host(master_addr, "--rdzv-endpoint" if args.rdzv_endpoint and not args.standalone else "--master-addr")
     _rdzv_conf(args.rdzv_conf)
     output = OutputConfig(
         log_dir=args.log_dir, redirects=parse_std_streams(args.redirects, nproc, "--redirects"),
@@ -220,7 +243,7 @@ def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
     return AgentConfig(
         entry=_entry(args), script_args=args.script_args, nproc_per_node=nproc, nnodes=nnodes,
         node_rank=node_rank, master_addr=master_addr, master_port=master_port or 0,
-        spare=args.spare, node_timeout_s=args.node_timeout,
+        spare=args.spare, node_timeout_s=args.node_timeout, job_token_file=_token_file(args.job_token_file),
         fixed_port=master_port not in (None, 0), run_id=run_id, role=args.role, run_dir=args.run_dir,
         max_restarts=args.max_restarts, max_replacements=args.max_replacements, warm_spare=not args.no_spare,
         chaos=args.chaos, monitor_interval_s=args.monitor_interval, output=output,
@@ -228,6 +251,13 @@ def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
         shutdown_timeout_s=30.0 if args.shutdown_timeout is None else args.shutdown_timeout,
         virtual_local_rank=args.virtual_local_rank, **extra,  # type: ignore[arg-type]
     )
+
+
+def _token_file(path: str | None) -> str | None:
+    """``--job-token-file``, read now: a bad one is one line before anything starts (resilient_train.jobtoken)."""
+    if path is not None:
+        read_token_file(path, "--job-token-file")
+    return path
 
 
 def _ranks_filter(value: str, nproc: int) -> frozenset[int] | None:

@@ -9,19 +9,29 @@ the command line prints before exiting 2. The limits and their reasons:
 * faults: ``chaos.faults.MAX_FAULTS`` and ``MAX_CHAOS_BYTES`` (they reach the
   workers in one environment variable, which Linux caps at 128 KiB);
 * config files: ``monitors.configfile.MAX_CONFIG_BYTES`` and ``MAX_NESTING``, no
-  YAML anchors or aliases.
+  YAML anchors or aliases;
+* ``--log-dir``: a directory this user can write (made private, ``0o700``,
+  when it is created here: the workers' output can hold what the run
+  directory keeps private).
+
+Numbers, ports and hosts are checked while the flags are parsed
+(``monitors.cliargs``).
 """
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
+
 from chaos import parse_faults
 from monitors import MonitorConfig, max_local_ranks
 
-__all__ = ["check_run_inputs"]
+__all__ = ["check_log_dir", "check_run_inputs"]
 
 
 def check_run_inputs(
-    *, nproc_per_node: int, nnodes: int, chaos: str, monitor_config: str | None,
+    *, nproc_per_node: int, nnodes: int, chaos: str, monitor_config: str | None, log_dir: str | None = None,
 ) -> MonitorConfig | None:
     """Checks ``run``'s flags; returns the monitor config read from ``monitor_config`` (None without one)."""
     limit = max_local_ranks()
@@ -33,9 +43,27 @@ def check_run_inputs(
             parse_faults(chaos, world_size=max(1, nproc_per_node) * max(1, nnodes))
         except ValueError as e:
             raise ValueError(f"--chaos: {e}") from None
+    if log_dir is not None:
+        check_log_dir(log_dir)
     if monitor_config is None:
         return None
     try:
         return MonitorConfig.load(monitor_config)
     except ValueError as e:
         raise ValueError(f"--monitor-config: {e}") from None
+
+
+def check_log_dir(path: str) -> Path:
+    """Creates ``path`` (``0o700``, parents too) if missing; ``ValueError`` unless it is a directory this user
+    can write."""
+    p = Path(path)
+    try:
+        p.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(p)
+    except OSError as e:
+        raise ValueError(f"--log-dir {path!r}: cannot create it: {e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"--log-dir {path!r}: not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"--log-dir {path!r}: not writable by this user")
+    return p

@@ -17,6 +17,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+# What a forger or a careless operator writes where a number belongs (issue 26): each must be refused.
+BAD_NUMBERS = (1e308, float("inf"), float("nan"), -1, 2**70)
+
 
 @dataclass
 class Result:

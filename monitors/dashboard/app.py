@@ -2,17 +2,23 @@
 
 Routes:
 
-- ``GET /``: the page; ``GET /static/...``: its script, style and ECharts;
+- ``GET /``: the page, an empty shell (its title names no run); ``GET /static/...``:
+  its script, style and ECharts. Nothing of the run: served to anyone;
 - ``GET /api/state?metric=M``: a snapshot (``RunModel.snapshot``) as JSON;
 - ``GET /api/stream?metric=M``: the same snapshot as server-sent events, pushed
   every ``refresh_s`` while the run's events change;
-- ``GET /api/export``: the self-contained page of the run as it is now;
+- ``GET /api/export``: the self-contained page of the run as it is now (its
+  stacks and error texts included);
 - ``POST /api/straggler``: ``{"enabled": bool, "threshold": float}`` (either)
   writes the run-time control the straggler detector reads at its next report
-  (``monitors.control``). It needs the ``X-Dashboard-Token`` header to equal the
-  server's token; anything else is refused with 403 and changes nothing. The
-  header also keeps other web pages out: a cross-origin request with a custom
-  header needs a CORS preflight this app never grants.
+  (``monitors.control``).
+
+Every ``/api/`` route, reads included, needs the ``X-Dashboard-Token`` header to
+equal the server's token; anything else is refused with 403, reads nothing and
+changes nothing. The run directory is private to its owner (``0o700``): the
+dashboard must not hand its content to any local user who finds the port. The
+header also keeps other web pages out: a cross-origin request with a custom
+header needs a CORS preflight this app never grants.
 
 Bound to loopback, the app answers only requests addressed to a loopback name
 (``Host: 127.0.0.1``, ``localhost``, ``[::1]``): a web page that rebinds its own
@@ -90,11 +96,20 @@ def build_app(run_dir: str | Path, *, token: str, refresh_s: float = 1.0,
     stopping = stopping or threading.Event()
     events = EventLog(Path(run_dir) / "events.jsonl", source="dashboard")
 
+    def refused(request: Request) -> Response | None:
+        """None with the server's token in the request's header, else the 403 to answer."""
+        given = request.headers.get(TOKEN_HEADER, "")
+        if hmac.compare_digest(given.encode(), token.encode()):
+            return None
+        return JSONResponse({"ok": False, "error": f"missing or wrong {TOKEN_HEADER}"}, status_code=403)
+
     async def page(request: Request) -> Response:
-        return HTMLResponse(render_page(data=None, title=f"resilient-train: {Path(run_dir).resolve().name}"),
+        return HTMLResponse(render_page(data=None, title="resilient-train dashboard"),
                             headers={"Cache-Control": "no-store"})
 
     async def state(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
         metric = _metric(request)
         if metric is None:
             return _bad(f"unknown metric; expected one of {', '.join(METRICS)}")
@@ -102,6 +117,8 @@ def build_app(run_dir: str | Path, *, token: str, refresh_s: float = 1.0,
         return Response(text, media_type="application/json", headers={"Cache-Control": "no-store"})
 
     async def stream(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
         metric = _metric(request)
         if metric is None:
             return _bad(f"unknown metric; expected one of {', '.join(METRICS)}")
@@ -122,14 +139,15 @@ def build_app(run_dir: str | Path, *, token: str, refresh_s: float = 1.0,
         return EventSourceResponse(gen(), ping=15, send_timeout=10, headers={"Cache-Control": "no-store"})
 
     async def export(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
         text = await anyio.to_thread.run_sync(lambda: export_html_text(run_dir))
         name = f"{Path(run_dir).resolve().name}-dashboard.html"
         return HTMLResponse(text, headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
     async def straggler(request: Request) -> Response:
-        given = request.headers.get(TOKEN_HEADER, "")
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            return JSONResponse({"ok": False, "error": f"missing or wrong {TOKEN_HEADER}"}, status_code=403)
+        if (no := refused(request)) is not None:
+            return no
         try:
             body: Any = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -9,6 +9,8 @@ import threading
 from pathlib import Path
 from typing import TextIO
 
+from monitors.cliargs import OneLineParser, host, port
+
 __all__ = ["dashboard_main"]
 
 DESCRIPTION = """\
@@ -23,9 +25,10 @@ its cause, rank, phase, steps redone, and a hung rank's Python stacks); disk
 checkpoints (saves, stall, durable time, failures, verify failures).
 
 Controls: straggler detection on/off and its threshold, as `resilient-train
-straggler` sets them (effective at the detector's next report). They need the
-token printed on the console at start (the printed URL carries it); requests
-without it are refused with 403 and change nothing.
+straggler` sets them (effective at the detector's next report). Reading the
+run and the controls need the token printed on the console at start (the
+printed URL carries it, the page sends it in the X-Dashboard-Token header);
+requests without it are refused with 403, read nothing and change nothing.
 
 The server binds 127.0.0.1 unless --host says otherwise. `--export FILE` writes
 one self-contained HTML file instead (no server, no network needed to open it).
@@ -35,11 +38,11 @@ Serving needs the dashboard extra: pip install 'resilient-train[dashboard]'.
 
 def dashboard_main(argv: list[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    p = argparse.ArgumentParser(prog="resilient-train dashboard", description=DESCRIPTION,
+    p = OneLineParser(prog="resilient-train dashboard", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="the job's --run-dir")
-    p.add_argument("--port", type=int, default=8470, help="port to serve on (default 8470; 0: a free one)")
-    p.add_argument("--host", default="127.0.0.1",
+    p.add_argument("--port", type=port, default=8470, help="port to serve on (default 8470; 0: a free one)")
+    p.add_argument("--host", type=host("--host"), default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the page)")
     p.add_argument("--export", metavar="FILE", default=None,
                    help="write a self-contained HTML file of the run and exit, instead of serving")

@@ -9,9 +9,10 @@ dashboard`` alike) and ``close`` stops it::
 
 The listening socket is bound in the constructor, so a port in use fails
 there, at once, and ``port`` is known before the thread starts. It binds to
-loopback unless told otherwise. The token that guards the controls is made
-here (random, 192 bits) and printed once, on start; the page reads it from
-the URL's fragment, which browsers never send to a server or keep in logs.
+loopback unless told otherwise. The token that guards the run's data and the
+controls is made here (random, 192 bits) and printed once, on start; the page
+reads it from the URL's fragment, which browsers never send to a server or
+keep in logs, and sends it in a header with every request.
 """
 
 from __future__ import annotations
@@ -100,10 +101,10 @@ class DashboardServer:
         self._thread.start()
         out = self._out or sys.stdout
         print(f"dashboard: {self.url_with_token}", file=out)
-        print(f"dashboard token (the page's controls need it): {self.token}", file=out)
+        print(f"dashboard token (reading the run and its controls need it): {self.token}", file=out)
         if not _is_loopback(self.host):
             print(f"dashboard: listening on {self.host}, reachable from other machines; "
-                  "the controls still need the token", file=out)
+                  "reading and steering still need the token (plain HTTP: use a trusted network)", file=out)
         out.flush()
         return self
 
@@ -127,7 +128,11 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:  # a name: let the resolver pick
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        except (socket.gaierror, UnicodeError) as e:
+            raise ValueError(f"dashboard: cannot listen on {host}:{port}: not a known host or address "
+                             f"({getattr(e, 'strerror', None) or e})") from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

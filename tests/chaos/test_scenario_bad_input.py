@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chaos.scenario import load_scenario, scenario_from_dict
-from oneline import assert_one_line_exit_2, cli
+from oneline import BAD_NUMBERS, assert_one_line_exit_2, cli
 
 GPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py")
 JOB = f"job: {{script: {json.dumps(GPT)}, ranks: 2, steps: 20}}\n"
@@ -57,6 +57,97 @@ def test_out_or_cache_dir_that_is_a_file(tmp_path: Path, flag: str) -> None:
     assert_one_line_exit_2(r, flag, "exists and is not a directory")
     r = cli("chaos", "matrix", "--quick", "--out", str(blocker))
     assert_one_line_exit_2(r, "--out", "exists and is not a directory")
+
+
+def _numeric_fields(cls: type) -> list[tuple[str, str]]:
+    """``(field, shape)`` for each field of ``cls`` that holds numbers: "one", "list" or "map" of them."""
+    import dataclasses
+    import typing
+
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        text = str(hint)
+        if "dict[str, float]" in text:
+            out.append((name, "map"))
+        elif "tuple[int, ...]" in text:
+            out.append((name, "list"))
+        elif hint in (int, float) or any(a in (int, float) for a in typing.get_args(hint)):
+            out.append((name, "one"))
+    return out
+
+
+def _number_cases() -> list[tuple[str, tuple[str, ...], str]]:
+    """Every number a scenario file can hold, derived from the dataclasses it is read into: a new numeric
+    field gets its rows here without anyone writing them."""
+    from chaos.scenario import Invariants, JobSpec
+    from chaos.schedule import PlannedFault, RandomSchedule
+    from monitors.hang import HangConfig
+    from monitors.node import MetricsConfig
+    from monitors.straggler import StragglerConfig
+
+    where = {JobSpec: ("job",), Invariants: ("invariants",), PlannedFault: ("schedule", "faults", 0),
+             RandomSchedule: ("schedule", "random"), HangConfig: ("job", "monitor", "hang"),
+             StragglerConfig: ("job", "monitor", "straggler"), MetricsConfig: ("job", "monitor", "metrics")}
+    cases = [("timeout_s", (), "one")]
+    for cls, prefix in where.items():
+        cases += [(name, prefix, shape) for name, shape in _numeric_fields(cls)]
+    return cases
+
+
+def _with(base: dict, prefix: tuple, name: str, shape: str, value) -> dict:
+    d = json.loads(json.dumps(base))
+    if prefix[:2] == ("schedule", "random"):
+        d["schedule"] = {"random": {"seed": 1, "count": 2, "mtbf_steps": 5}}
+        if name in ("mtbf_s",):  # seconds instead of steps
+            d["schedule"]["random"] = {"seed": 1, "count": 2, "mtbf_s": 5.0}
+    node = d
+    for key in prefix:
+        node = node.setdefault(key, {}) if isinstance(key, str) else node[key]
+    if prefix[:2] == ("schedule", "faults") and name in ("at_s",):
+        node.pop("step", None)
+    if name == "ranks" and prefix[:2] == ("schedule", "faults"):
+        node.pop("rank", None)
+    if value is not _KEEP:
+        node[name] = value if shape == "one" else ([value] if shape == "list" else {"forward": value})
+    return d
+
+
+_KEEP = object()  # _with: leave the field as the base has it
+
+
+@pytest.mark.timeout(60)
+def test_every_number_of_a_scenario_is_range_checked() -> None:
+    """Issue 26: 1e308, inf, nan, -1 and 2**70 in each numeric field of a scenario (the job, its monitor
+    config, the invariants, a fixed fault, a random schedule): each refused with one line naming the field."""
+    cases = _number_cases()
+    assert len(cases) >= 30, cases
+    for name, prefix, shape in cases:
+        scenario_from_dict(_with(_base(), prefix, name, shape, _KEEP))  # valid: each refusal below is the field's
+        for bad in BAD_NUMBERS:
+            with pytest.raises(ValueError) as e:
+                scenario_from_dict(_with(_base(), prefix, name, shape, bad))
+            why = str(e.value)
+            assert "\n" not in why and (name in why or (name == "ranks" and "rank" in why)), (prefix, name, bad, why)
+
+
+@pytest.mark.timeout(60)
+def test_every_number_of_a_chaos_fault_is_range_checked() -> None:
+    """The same for ``run --chaos``'s faults (chaos.faults.Fault), as the agent's preflight parses them."""
+    import dataclasses
+
+    from chaos.faults import Fault, parse_faults
+
+    base = {"kind": "slow", "rank": 0, "phase": "forward", "step": 1, "not_before": 0.0, "duration_s": 1.0}
+    numeric = [n for n, shape in _numeric_fields(Fault)]
+    assert sorted(numeric) == sorted(f.name for f in dataclasses.fields(Fault) if f.name not in ("kind", "phase"))
+    parse_faults(json.dumps([base]), world_size=2)
+    for name in numeric:
+        for bad in BAD_NUMBERS:
+            with pytest.raises(ValueError) as e:
+                parse_faults(json.dumps([{**base, name: bad}]), world_size=2)
+            assert "\n" not in str(e.value) and name in str(e.value), (name, bad, str(e.value))
 
 
 # ---- fuzz: any data, any text -> a Scenario or a ValueError, nothing else ---------------------------------

@@ -19,7 +19,7 @@ from checkpointing import CheckpointError, read_state, verify_checkpoint, write_
 from checkpointing.dcp_io import METADATA_FILE, load_metadata
 from checkpointing.manifest import MANIFEST_FILE, Manifest, _canonical_digest
 from ckpt_helpers import forge_manifest_entry, make_state
-from oneline import assert_one_line_exit_2, cli
+from oneline import BAD_NUMBERS, assert_one_line_exit_2, cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,6 +115,47 @@ def test_a_manifest_entry_that_links_out_of_the_checkpoint_does_not_verify(ckpt:
     (ckpt / MANIFEST_FILE).symlink_to(manifest_link)
     with pytest.raises(CheckpointError, match="not a regular file"):
         verify_checkpoint(ckpt)
+
+
+def _numbers(node: object, path: tuple = ()) -> list[tuple]:
+    """The paths of every number in a manifest's JSON, outside the user's data (``tree``'s plain values)
+    and the other packages' (``extras``, checked by their readers)."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() if path or k not in ("tree", "local_trees", "extras")
+                for p in _numbers(v, (*path, k))]
+    return [path] if isinstance(node, (int, float)) and not isinstance(node, bool) else []
+
+
+def test_every_number_of_the_manifest_is_range_checked(ckpt: Path) -> None:
+    """Issue 26: 1e308, inf, nan, -1 and 2**70 in each of the manifest's numbers (self checksum recomputed):
+    refused in one line naming the field; the ranks of local_trees are checked against the world size."""
+    good = json.loads((ckpt / MANIFEST_FILE).read_text())
+    paths = _numbers(good)
+    assert {p[0] for p in paths} == {"version", "step", "world_size", "created", "files"}, paths  # a new one needs a range
+    for path in paths:
+        for bad in BAD_NUMBERS:
+            body = json.loads(json.dumps(good))
+            node = body
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = bad
+            (ckpt / MANIFEST_FILE).write_text(_resign(body))
+            with pytest.raises(CheckpointError) as e:
+                verify_checkpoint(ckpt, checksums=False)
+            assert "invalid manifest" in str(e.value) and path[-1] in str(e.value), (path, bad, str(e.value))
+            assert "\n" not in str(e.value) and len(str(e.value)) < 400, str(e.value)
+    for rank in ("1", "9" * 9, "0" * 20):  # world_size is 1: rank 0 only
+        body = json.loads(json.dumps(good))
+        body["local_trees"] = {rank: {"D": []}}
+        (ckpt / MANIFEST_FILE).write_text(_resign(body))
+        with pytest.raises(CheckpointError, match="is not a rank of the 1 that saved it"):
+            verify_checkpoint(ckpt, checksums=False)
+    (ckpt / MANIFEST_FILE).write_text(_resign(good))
+    verify_checkpoint(ckpt)  # the unforged manifest still verifies
+    body = json.loads(json.dumps(good))
+    body["created"] = 1e308
+    (ckpt / MANIFEST_FILE).write_text(_resign(body))
+    assert_one_line_exit_2(cli("ckpt", "inspect", str(ckpt), timeout=60), "created must be a finite number in")
 
 
 # ---- fuzz ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@
   it finished), exported to one file and opened from disk with the network cut off, shows every
   fault (and the hung rank's stacks).
 
+* token: on a finished run's directory (no job), the page reads nothing without the token (issue 26),
+  asks for it, and shows the run once it is given; its export link downloads with the token too.
+
 Screenshots are saved under the test's tmp dir (the paths are printed).
 """
 
@@ -93,7 +96,7 @@ def test_live_page_flags_the_slow_rank_shows_the_kill_and_turns_detection_off(tm
     agent = _Agent(run, _monitor_config(tmp_path), faults)
     try:
         url = agent.wait_line(r"dashboard: (http://\S+)", 120).group(1)
-        token = agent.wait_line(r"dashboard token \(the page's controls need it\): (\S+)", 10).group(1)
+        token = agent.wait_line(r"dashboard token \(reading the run and its controls need it\): (\S+)", 10).group(1)
         assert url.startswith("http://127.0.0.1:") and url.endswith(f"#token={token}")
         with chromium() as page:
             page.goto(url)
@@ -184,3 +187,46 @@ def test_export_of_a_finished_run_opens_offline_and_shows_every_fault(tmp_path: 
         page.screenshot(path=str(shot), full_page=True)
         print(f"\nscreenshot: {shot}")
         assert page.errors == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_the_page_reads_nothing_without_the_token_and_everything_with_it(tmp_path: Path) -> None:
+    import io
+
+    from monitors.dashboard import DashboardConfig, DashboardServer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    t0 = 1_800_000_000.0
+    events = [{"time": t0, "event": "agent_start", "source": "agent", "world_size": 2},
+              {"time": t0 + 1, "event": "fault_injected", "source": "rank1", "rank": 1, "kind": "kill",
+               "phase": "forward", "step": 5},
+              {"time": t0 + 1.1, "event": "fault_detected", "source": "agent", "rank": 1, "how": "signal SIGKILL",
+               "generation": 0, "kind": "exit"},
+              {"time": t0 + 3, "event": "agent_end", "source": "agent", "ok": True, "restarts": 1}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    with DashboardServer(run, DashboardConfig(refresh_s=0.2), out=io.StringIO()) as server, chromium() as page:
+        refused: list[str] = []
+        page.on("response", lambda r: refused.append(r.url) if r.status == 403 else None)
+        page.goto(server.url)  # no token: nothing is read, the page asks for it
+        page.wait_for_selector("#live:has-text('needs the token')")
+        assert page.get_attribute("body", "data-ready") is None and not refused
+        page.fill("#token", "not-the-token")
+        page.dispatch_event("#token", "change")
+        page.wait_for_selector("#live:has-text('refused: wrong token')")
+        assert page.get_attribute("body", "data-ready") is None and refused, refused
+        page.fill("#token", server.token)
+        page.dispatch_event("#token", "change")
+        page.wait_for_selector("#run-state[data-state='finished']")
+        assert page.title() == "resilient-train: run"
+        with page.expect_download() as download:
+            page.click("#export-link")
+        saved = tmp_path / "export.html"
+        download.value.save_as(str(saved))
+        assert "signal SIGKILL" in saved.read_text()
+
+        assert page.errors == []  # type: ignore[attr-defined]
+        tab = page.context.new_page()  # a new tab (nothing kept) opening the printed URL: served at once
+        tab.goto(server.url_with_token)
+        tab.wait_for_selector("body[data-ready='1']")
+        assert "token=" not in tab.url

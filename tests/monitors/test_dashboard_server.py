@@ -69,16 +69,18 @@ def test_binds_loopback_serves_the_page_and_its_state(tmp_path: Path) -> None:
         assert 'src="static/echarts.min.js"' in page and "rt-data" not in page
         with urllib.request.urlopen(server.url + "static/echarts.min.js", timeout=10) as r:
             assert r.status == 200 and len(r.read()) > 500_000
-        status, state = _request(server.url + "api/state")
+        status, state = _request(server.url + "api/state", token=server.token)
         assert status == 200 and state["run"]["state"] == "finished"
         assert [i["kind"] for i in state["incidents"]] == ["kill"]
-        assert _request(server.url + "api/state?metric=nonsense")[0] == 400
+        assert _request(server.url + "api/state?metric=nonsense", token=server.token)[0] == 400
         # A page on another site that rebinds its name to 127.0.0.1 gets nothing.
-        req = urllib.request.Request(server.url + "api/state", headers={"Host": f"evil.example:{server.port}"})
+        req = urllib.request.Request(server.url + "api/state", headers={"Host": f"evil.example:{server.port}",
+                                                                        TOKEN_HEADER: server.token})
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 400
-        req = urllib.request.Request(server.url + "api/state", headers={"Host": f"localhost:{server.port}"})
+        req = urllib.request.Request(server.url + "api/state", headers={"Host": f"localhost:{server.port}",
+                                                                        TOKEN_HEADER: server.token})
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200
 
@@ -112,11 +114,55 @@ def test_a_wrong_or_missing_token_is_refused_and_changes_nothing(tmp_path: Path)
         assert read_control(run).enabled is False
 
 
+def _get(url: str, token: str | None) -> tuple[int, bytes]:
+    """Status and the first bytes of a GET (a stream is cut after its first event)."""
+    headers = {} if token is None else {TOKEN_HEADER: token}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return r.status, r.read(4096) if "event-stream" not in r.headers["Content-Type"] else r.readline()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.timeout(60)
+def test_reading_the_run_needs_the_token_on_every_api_route(tmp_path: Path) -> None:
+    """Issue 26: the run directory is private, so is what the dashboard serves from it. Every /api/ route the
+    app has (taken from the app itself: a new one is covered without a new row) refuses a request without
+    the token, or with a wrong one, with 403; with the token, its reads are served. The page and its
+    assets need no token and hold nothing of the run."""
+    from starlette.routing import Mount, Route
+
+    from monitors.dashboard.app import build_app
+
+    run = _run_dir(tmp_path).rename(tmp_path / "private-job-7f3a")
+    routes = build_app(run, token="t").routes
+    api = [(r.path, sorted(r.methods or ())) for r in routes if isinstance(r, Route) and r.path.startswith("/api/")]
+    reads = [path for path, methods in api if "GET" in methods]
+    assert sorted(reads) == ["/api/export", "/api/state", "/api/stream"], api
+    assert all(path in reads or methods == ["POST"] for path, methods in api), api
+    with DashboardServer(run, DashboardConfig(refresh_s=0.2), out=io.StringIO()) as server:
+        for path in reads:
+            for token in (None, "", "wrong", server.token[:-1], server.token + "x", server.token.upper()):
+                status, body = _get(server.url + path.lstrip("/"), token)
+                assert status == 403 and b"SIGKILL" not in body and b"private-job" not in body, (path, token)
+            status, body = _get(server.url + path.lstrip("/"), server.token)
+            assert status == 200 and body, path
+        export = urllib.request.urlopen(urllib.request.Request(
+            server.url + "api/export", headers={TOKEN_HEADER: server.token}), timeout=10).read()
+        assert b"signal SIGKILL" in export and b"private-job-7f3a" in export
+        # The page and its assets: to anyone, and nothing of the run in them (not even its name).
+        for path in [""] + [f"static/{name}" for name in ("dashboard.js", "dashboard.css")]:
+            status, body = _get(server.url + path, None)
+            assert status == 200 and b"private-job" not in body and b"SIGKILL" not in body, path
+        assert any(isinstance(r, Mount) and r.path == "/static" for r in routes)
+
+
 @pytest.mark.timeout(60)
 def test_the_live_stream_pushes_snapshots_as_server_sent_events(tmp_path: Path) -> None:
     run = _run_dir(tmp_path)
     with DashboardServer(run, DashboardConfig(refresh_s=0.2), out=io.StringIO()) as server:
-        with urllib.request.urlopen(server.url + "api/stream?metric=individual", timeout=10) as r:
+        req = urllib.request.Request(server.url + "api/stream?metric=individual", headers={TOKEN_HEADER: server.token})
+        with urllib.request.urlopen(req, timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/event-stream")
             lines = []
             while not any(line.startswith(b"data: ") for line in lines):

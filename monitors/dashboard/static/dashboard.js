@@ -1,6 +1,8 @@
 /* The resilient-train dashboard page: renders a snapshot (monitors/dashboard/model.py).
- * Live: snapshots arrive as server-sent events from api/stream. Exported: one snapshot is
- * embedded in the page (#rt-data) and nothing is fetched. */
+ * Live: snapshots arrive as server-sent events from api/stream, read with fetch so that every
+ * request carries the X-Dashboard-Token header (the server refuses reads without it; EventSource
+ * cannot send a header). The token comes from the URL's fragment, which browsers never send.
+ * Exported: one snapshot is embedded in the page (#rt-data) and nothing is fetched. */
 (function () {
   'use strict';
 
@@ -53,6 +55,7 @@
   function renderHeader(d) {
     var r = d.run;
     $('run-dir').textContent = r.dir + (r.script ? '  ·  ' + r.script : '');
+    if (LIVE) document.title = 'resilient-train: ' + String(r.dir).split('/').filter(Boolean).pop();  // the server's says nothing
     var st = $('run-state');
     var label = r.state === 'failed' ? 'failed' + (r.reason ? ': ' + r.reason : '') : r.state;
     st.textContent = label;
@@ -383,24 +386,69 @@
   }
 
   // ------------------------------------------------------------------- live
+  var RETRY_MS = 2000;
+
+  function setLive(text, on) { $('live').textContent = text; $('live').className = 'live ' + (on ? 'on' : 'off'); }
+
   function connect() {
-    if (ui.source) ui.source.close();
-    var es = new EventSource('api/stream?metric=' + encodeURIComponent(ui.metric));
-    ui.source = es;
-    es.addEventListener('state', function (e) { render(JSON.parse(e.data)); });
-    es.onopen = function () { $('live').textContent = 'live'; $('live').className = 'live on'; };
-    es.onerror = function () {
-      if (ui.data && ui.data.run.state !== 'running') {  // the job ended and its agent took the server down
-        es.close();
-        $('live').textContent = 'job ended; server stopped';
-      } else {
-        $('live').textContent = 'disconnected, retrying';
+    if (ui.source) ui.source.abort();
+    clearTimeout(ui.retry);
+    if (!token()) { setLive('needs the token printed on the console (paste it below)', false); return; }
+    var ctl = new AbortController();
+    ui.source = ctl;
+    fetch('api/stream?metric=' + encodeURIComponent(ui.metric),
+          {headers: {'X-Dashboard-Token': token()}, signal: ctl.signal, cache: 'no-store'}).then(function (r) {
+      if (r.status === 403) { setLive('refused: wrong token (paste the one printed on the console)', false); return; }
+      if (!r.ok || !r.body) throw new Error('HTTP ' + r.status);
+      setLive('live', true);
+      sessionStorage.setItem('rt-dashboard-token', token());
+      var reader = r.body.getReader(), decoder = new TextDecoder(), buf = '';
+      function pump() {
+        return reader.read().then(function (chunk) {
+          if (chunk.done) throw new Error('stream ended');
+          buf += decoder.decode(chunk.value, {stream: true}).replace(/\r\n?/g, '\n');
+          var end;
+          while ((end = buf.indexOf('\n\n')) >= 0) {  // one server-sent event per blank-line-terminated block
+            var block = buf.slice(0, end), data = [], kind = 'message';
+            buf = buf.slice(end + 2);
+            block.split('\n').forEach(function (line) {
+              if (line.indexOf('data:') === 0) data.push(line.slice(5).replace(/^ /, ''));
+              else if (line.indexOf('event:') === 0) kind = line.slice(6).trim();
+            });
+            if (kind === 'state' && data.length) render(JSON.parse(data.join('\n')));
+          }
+          return pump();
+        });
       }
-      $('live').className = 'live off';
-    };
+      return pump();
+    }).catch(function () {
+      if (ctl.signal.aborted) return;  // a new connection replaced this one
+      if (ui.data && ui.data.run.state !== 'running') {  // the job ended and its agent took the server down
+        setLive('job ended; server stopped', false);
+        return;
+      }
+      setLive('disconnected, retrying', false);
+      ui.retry = setTimeout(connect, RETRY_MS);
+    });
   }
 
   function token() { return $('token').value.trim(); }
+
+  function exportPage(ev) {  // a download needs the token too: fetched, then saved from memory
+    ev.preventDefault();
+    fetch('api/export', {headers: {'X-Dashboard-Token': token()}, cache: 'no-store'}).then(function (r) {
+      if (!r.ok) throw new Error(r.status === 403 ? 'refused: wrong token' : 'HTTP ' + r.status);
+      var name = /filename="([^"]+)"/.exec(r.headers.get('Content-Disposition') || '');
+      return r.blob().then(function (b) { return {blob: b, name: name ? name[1] : 'dashboard.html'}; });
+    }).then(function (f) {
+      var a = document.createElement('a');
+      a.href = URL.createObjectURL(f.blob);
+      a.download = f.name;
+      document.body.appendChild(a);
+      a.click();
+      setTimeout(function () { URL.revokeObjectURL(a.href); a.remove(); }, 1000);
+    }).catch(function (e) { setLive('export failed: ' + e.message, false); });
+  }
 
   function control(body) {
     var msg = $('control-msg');
@@ -435,6 +483,8 @@
       return;
     }
     $('export-link').hidden = false;
+    $('export-link').addEventListener('click', exportPage);
+    $('token').addEventListener('change', function () { $('control-msg').textContent = ''; connect(); });
     var m = /(?:^|[#&])token=([^&]+)/.exec(location.hash);
     var saved = m ? decodeURIComponent(m[1]) : sessionStorage.getItem('rt-dashboard-token');
     if (saved) {
