@@ -169,6 +169,7 @@ class Supervisor:
         self._moved_to: int | None = None  # the generation to join after a wake (joined without asking)
         self._woken_detection: dict[str, Any] | None = None  # its fault_detected, said once the join tells
         self._stopped: JobStopped | None = None
+        self._store_lost: str | None = None  # the store is gone (node 0's agent): nothing to recover with
         handlers: dict[SupervisorState, Callable[[], SupervisorState]] = {
             _S.JOINING: self._join, _S.RESTORING: self._restore, _S.TRAINING: lambda: self._train(step_fn),
             _S.FINISHING: self._finish, _S.RECOVERING: self._recover, _S.PREEMPTING: self._preempt,
@@ -182,7 +183,11 @@ class Supervisor:
                     self._say_woken_detection(None)
                     nxt = _S.DONE
                 except Exception as exc:  # noqa: BLE001  (every failure goes through the same judgement)
-                    nxt = self._judge(exc)
+                    try:
+                        nxt = self._judge(exc)
+                    except dist.DistNetworkError as lost:  # the judgement needs the store, and it is gone
+                        self._store_lost = str(lost).splitlines()[0][:200]
+                        nxt = _S.FAILED
                 self.lifecycle.to(nxt)
         finally:
             self.preemption.close()
@@ -194,8 +199,16 @@ class Supervisor:
             join_releases(_RELEASE_AT_EXIT_S)
             for part, error in self.parts.close():
                 self.events.emit("part_close_failed", rank=self.env.rank, part=part, error=error[:500])
-                print(f"resilient-train: rank {self.env.rank}: {part} did not close cleanly: {error.splitlines()[0]}",
-                      file=sys.stderr, flush=True)
+                if self._store_lost is None:  # without the store every part fails to close: one line says why
+                    print(f"resilient-train: rank {self.env.rank}: {part} did not close cleanly: "
+                          f"{error.splitlines()[0]}", file=sys.stderr, flush=True)
+        if self._store_lost is not None:
+            self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step,
+                             recoveries=self.judge.recoveries, store_lost=self._store_lost)
+            if not self.env.under_agent:  # under the agent, its line says it for the node
+                print(f"resilient-train: rank {self.env.rank}: lost the coordination store ({self._store_lost}): "
+                      "stopping; start the job again to resume from its newest checkpoint", file=sys.stderr, flush=True)
+            raise SystemExit(exitcodes.FAILED)
         if self._stopped is not None:
             self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step,
                              recoveries=self.judge.recoveries, stopped=self._stopped.reason)
