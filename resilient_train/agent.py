@@ -619,7 +619,9 @@ class Agent:
                         w.proc.send_signal(signum)
                     except ProcessLookupError:
                         pass
-        sd.wait(self.store, lambda: [w.proc for w in self.workers.values()])
+        left = sd.wait(self.store, lambda: {w.rank: w.proc for w in self.workers.values()})
+        if left:
+            self.events.emit("shutdown_killed", ranks=left, grace_s=sd.grace_s, timeout_s=sd.timeout_s)
         self._kill_workers()
         verdict = sd.verdict(self.store, {w.rank: w.proc.returncode for w in self.workers.values()})
         if verdict.line is not None:

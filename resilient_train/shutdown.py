@@ -180,12 +180,14 @@ class Shutdown:
                 f"(SIGKILL after {grace:g} s, their preemption grace{aside})")
 
     # ---------------------------------------------------------------- wait
-    def wait(self, store: dist.Store, procs: Callable[[], list[subprocess.Popen]]) -> None:
-        """Until every worker of this node exited, or the deadline (which a rank's grown grace moves)."""
-        while any(p.poll() is None for p in procs()) and time.monotonic() < self.deadline:
+    def wait(self, store: dist.Store, procs: Callable[[], dict[int, subprocess.Popen]]) -> list[int]:
+        """Until every worker of this node exited, or the deadline (which a rank's grown grace moves): the
+        ranks still running then (to be SIGKILLed)."""
+        while any(p.poll() is None for p in procs().values()) and time.monotonic() < self.deadline:
             if time.monotonic() - self._read_at >= _REREAD_S:
                 self._read(store)
             time.sleep(_POLL_S)
+        return sorted(rank for rank, p in procs().items() if p.poll() is None)
 
     # ------------------------------------------------------------- verdict
     def verdict(self, store: dist.Store, exit_codes: dict[int, int | None]) -> Verdict:
@@ -208,6 +210,9 @@ class Shutdown:
                        "the job resumes from its newest committed checkpoint")
             return Verdict(exit_code=code, line=f"preempted{by}: {how} (exit code {code})", step=step,
                            committed=committed, reason=f"preempted at step {step}")
+        if exit_codes and all(rc == 0 for rc in exit_codes.values()):
+            return Verdict(exit_code=exitcodes.OK, line="the job had finished when the signal came (exit code 0)",
+                           reason="finished")
         if any(rc == exitcodes.REQUEUE for rc in exit_codes.values()):
             # No record to read (the store went with node 0): the ranks' own word.
             code = exitcodes.REQUEUE
