@@ -196,6 +196,10 @@ class Shutdown:
         name = signal.Signals(self.signum).name if self.signum else None
         by = (f" ({name})" if self.signalled else f" ({name} to node {self.from_node})"
               if self.from_node is not None else "") if name else ""
+        if self.supervised and exit_codes and all(rc == 0 for rc in exit_codes.values()):
+            # The ranks were past their last step (a plain script's exits say nothing: torchrun's 128 + N).
+            return Verdict(exit_code=exitcodes.OK, line="the job had finished when the signal came (exit code 0)",
+                           reason="finished")
         steps = [r["step"] for r in self._records.values() if isinstance(r.get("step"), int)]
         if steps:
             step = max(steps)
@@ -210,9 +214,6 @@ class Shutdown:
                        "the job resumes from its newest committed checkpoint")
             return Verdict(exit_code=code, line=f"preempted{by}: {how} (exit code {code})", step=step,
                            committed=committed, reason=f"preempted at step {step}")
-        if exit_codes and all(rc == 0 for rc in exit_codes.values()):
-            return Verdict(exit_code=exitcodes.OK, line="the job had finished when the signal came (exit code 0)",
-                           reason="finished")
         if any(rc == exitcodes.REQUEUE for rc in exit_codes.values()):
             # No record to read (the store went with node 0): the ranks' own word.
             code = exitcodes.REQUEUE
