@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "live replicas are the redundancy)")
     p.add_argument("--preempt-grace", type=float, default=None,
                    help="seconds from a preemption signal to the ranks' exit, its checkpoint included (default: "
-                        "60, or twice the longest save so far, whichever is longer; the agent follows it)")
+                        "60, or three times the longest save so far, whichever is longer; the agent follows it)")
     p.add_argument("--cupti-every", type=int, default=0,
                    help="NVRx's CUPTI kernel straggler scores every N steps, as events "
                         "(needs the nvrx extra and CUDA; default 0: off)")

@@ -14,8 +14,8 @@ The grace (``grace_s``) is counted from the signal, or from the step whose vote
 told this rank, to the rank's exit: the save in flight, the preemption's own
 save and the exit all fit in it, and the agents SIGKILL what is left at its end
 (resilient_train.shutdown: the ranks publish it, the agents follow it). Unset,
-it is :data:`~resilient_train.shutdown.DEFAULT_GRACE_S`, grown to cover twice
-the longest save the job has made. If the checkpoint is not committed in time
+it is :data:`~resilient_train.shutdown.DEFAULT_GRACE_S`, grown to cover three
+times the longest save the job has made (two saves and slack). If the checkpoint is not committed in time
 the rank exits with the same code anyway (the job then resumes from its
 previous checkpoint); ``on_grace_expiry="wait"`` gives the save the
 checkpoint's own ``timeout_s`` more, for schedulers whose grace is known to be

@@ -10,9 +10,10 @@ save short with a timeout of its own; ``--shutdown-timeout`` keeps torchrun's
 meaning for scripts without the Supervisor.
 
 The default grace is :data:`DEFAULT_GRACE_S`, grown to cover twice the longest
-save the job has made (a save in flight, then the preemption's), a quarter more
-for slack, and the rank's exit (:func:`auto_grace`): a job with large
-checkpoints gets a longer grace by itself.
+save the job has made (a save in flight, then the preemption's), half again for
+slack (two saves back to back take longer than two apart: the second waits on
+the first one's writeback), and the rank's exit (:func:`auto_grace`): a job
+with large checkpoints gets a longer grace by itself (README: the measurements).
 
 The exit code comes from what the ranks did, not from how they ended: each rank
 records its preemption in the store (:meth:`ShutdownKeys.preempted`: the step,
@@ -50,7 +51,7 @@ DEFAULT_GRACE_S = 60.0  # the least a preemption gets (README: what it covers, m
 PLAIN_SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's --shutdown-timeout, for scripts without the Supervisor
 MAX_SECONDS = 7 * 24 * 3600.0  # a longer grace or timeout is a typo (or inf): refused
 EXIT_RESERVE_S = 2.0  # the part of the grace a rank keeps for its exit after the checkpoint
-SAVE_SLACK = 1.25  # a preemption may meet a save slower than the longest seen
+SAVE_SLACK = 1.5  # two saves back to back are slower than two alone (the second waits on the first's writeback)
 LEAVE_MARGIN_S = 3.0  # node 0 keeps the store this long past the grace, for the other nodes to leave
 _POLL_S = 0.05
 _REREAD_S = 0.5  # how often a waiting agent reads its ranks' graces and records again

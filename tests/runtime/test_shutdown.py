@@ -49,7 +49,7 @@ def test_grace_and_shutdown_timeout_must_be_finite_seconds_in_range(tmp_path):
 @pytest.mark.timeout(60)
 def test_the_default_grace_covers_two_of_the_longest_save_and_the_exit():
     assert auto_grace(0.0) == DEFAULT_GRACE_S
-    assert auto_grace(40.0) == 2 * 1.25 * 40.0 + 2.0  # a save in flight and the preemption's, a quarter of slack
+    assert auto_grace(40.0) == 2 * 1.5 * 40.0 + 2.0  # a save in flight and the preemption's, half again for slack
 
 
 def _shutdown(ranks=(0, 1), nnodes=1, node=0, timeout_s=30.0, given=False) -> Shutdown:
