@@ -608,6 +608,10 @@ class Agent:
     def _shut_down(self, signum: int | None, *, signalled: bool) -> int:
         """A signal (this node's, or another node's) or a preemption its ranks began: they get the grace, the
         rest is SIGKILLed, the exit code says what the ranks did, and the job hears that this node left."""
+        if not self.workers and signum is not None:  # a spare agent that took no node: the job goes on
+            self._say(f"received {signal.Signals(signum).name}: this spare node agent leaves; the job goes on")
+            self.events.emit("agent_end", ok=False, reason="signalled while spare", exit_code=128 + signum, restarts=0)
+            return 128 + signum
         sd = self._shutdown
         sd.begin(self.store, signum, signalled=signalled)
         if signalled:
@@ -626,7 +630,7 @@ class Agent:
         verdict = sd.verdict(self.store, {w.rank: w.proc.returncode for w in self.workers.values()})
         if verdict.line is not None:
             self._say(verdict.line)
-        self.events.emit("agent_end", ok=False, reason=verdict.reason, exit_code=verdict.exit_code,
+        self.events.emit("agent_end", ok=verdict.exit_code == 0, reason=verdict.reason, exit_code=verdict.exit_code,
                          restarts=self.restarts, step=verdict.step, checkpoint_committed=verdict.committed)
         if not sd.store_lost:
             try:

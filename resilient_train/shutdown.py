@@ -193,7 +193,7 @@ class Shutdown:
     # ------------------------------------------------------------- verdict
     def verdict(self, store: dist.Store, exit_codes: dict[int, int | None]) -> Verdict:
         """The exit code from what the ranks recorded (the store), else from how this node's workers ended."""
-        self._read(store, everyone=True)
+        self._read(store)
         name = signal.Signals(self.signum).name if self.signum else None
         by = (f" ({name})" if self.signalled else f" ({name} to node {self.from_node})"
               if self.from_node is not None else "") if name else ""
@@ -229,10 +229,11 @@ class Shutdown:
         return Verdict(exit_code=code, line=line, reason=f"received {name}" if name else "stopped")
 
     # ------------------------------------------------------------ helpers
-    def _read(self, store: dist.Store, *, everyone: bool = False) -> None:
-        """This node's ranks' graces and records (with ``everyone``: rank 0's record too, the committer's)."""
+    def _read(self, store: dist.Store) -> None:
+        """This node's ranks' graces and records, and rank 0's record (the committer's: read while the store
+        is up, it says whether the checkpoint committed even if this node's ranks gave up first)."""
         self._read_at = time.monotonic()
-        ranks = sorted(set(self.ranks) | ({0} if everyone else set()))
+        ranks = sorted(set(self.ranks) | {0})
 
         def read() -> None:
             for rank in ranks:

@@ -208,7 +208,8 @@ def test_sigterm_to_each_agent_in_turn_ends_every_node_in_75_on_time_and_the_run
         assert step > slow_step and {e["in_flight"] for e in c.events() if e["event"] == "checkpoint_waiting"
                                      and e["step"] == step} == {slow_step}
         if stops:  # the second start resumed from the first one's checkpoint
-            resumed = {e["step"] for e in c.events() if e["event"] == "resumed_from_disk" and e["time"] > stops[0]["time"]}
+            resumed = {e["step"] for e in c.events()
+                       if e["event"] == "resumed_from_disk" and e["time"] > stops[0]["time"]}
             assert resumed == {stops[0]["step"]}, resumed
         stops += new
     c = cluster_factory(nnodes=2, extra=extra, agent_args=old_kill)

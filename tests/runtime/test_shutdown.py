@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from datetime import timedelta
 
 import pytest
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from jobs import GPT, REPO, cli
 from resilient_train import exitcodes
 from resilient_train.preempt import PreemptionConfig
-from resilient_train.shutdown import DEFAULT_GRACE_S, Shutdown, ShutdownKeys, auto_grace, publish_grace, record_preempted
+from resilient_train.shutdown import DEFAULT_GRACE_S, Shutdown, auto_grace, publish_grace, record_preempted
 
 BAD = ["inf", "-inf", "nan", "-1", "1e308"]
 
