@@ -43,6 +43,7 @@ from typing import Callable, Iterable
 import torch.distributed as dist
 
 from resilient_train import exitcodes
+from resilient_train.store import read_stop
 
 __all__ = ["DEFAULT_GRACE_S", "EXIT_RESERVE_S", "PLAIN_SHUTDOWN_TIMEOUT_S", "Shutdown", "ShutdownKeys", "Verdict",
            "auto_grace", "check_seconds", "publish_grace", "record_preempted"]
@@ -121,6 +122,7 @@ class Shutdown:
         self.store_lost = False
         self._graces: dict[int, float] = {}
         self._records: dict[int, dict] = {}
+        self._stop: dict | None = None  # a rank stopped the job meanwhile (a full disk, a bug): its code stands
         self._read_at = 0.0
         self._stopping_at = 0.0
 
@@ -197,6 +199,10 @@ class Shutdown:
         name = signal.Signals(self.signum).name if self.signum else None
         by = (f" ({name})" if self.signalled else f" ({name} to node {self.from_node})"
               if self.from_node is not None else "") if name else ""
+        if self._stop is not None:
+            code = int(self._stop.get("exit_code", exitcodes.STOPPED))
+            why = f"rank {self._stop.get('rank')} stopped it: {self._stop.get('summary')}"
+            return Verdict(exit_code=code, line=f"job stopped{by}: {why} (exit code {code})", reason=why)
         if self.supervised and exit_codes and all(rc == 0 for rc in exit_codes.values()):
             # The ranks were past their last step (a plain script's exits say nothing: torchrun's 128 + N).
             return Verdict(exit_code=exitcodes.OK, line="the job had finished when the signal came (exit code 0)",
@@ -241,6 +247,7 @@ class Shutdown:
                     self._graces[rank] = float(store.get(ShutdownKeys.grace(rank)).decode())
                 if store.check([ShutdownKeys.preempted(rank)]):
                     self._records[rank] = json.loads(store.get(ShutdownKeys.preempted(rank)).decode())
+            self._stop = read_stop(store)
 
         self._call(read)
 

@@ -87,6 +87,12 @@ def test_the_verdict_comes_from_what_the_ranks_recorded():
     assert v.exit_code == exitcodes.REQUEUE and not v.committed and "did not commit within the grace (12 s)" in v.line
     # The signal came after the last step: the job is done.
     assert sd.verdict(store, {0: 0, 1: 0}).exit_code == 0
+    # A rank stopped the job meanwhile (its preemption's save found the disk full): its code, not a requeue.
+    from resilient_train.store import request_stop
+
+    request_stop(store, {"rank": 1, "summary": "the disk is full", "exit_code": exitcodes.DISK_FULL})
+    v = sd.verdict(store, {0: 28, 1: 28})
+    assert v.exit_code == exitcodes.DISK_FULL and "rank 1 stopped it: the disk is full" in v.line
 
 
 @pytest.mark.timeout(60)
