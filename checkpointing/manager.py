@@ -119,6 +119,7 @@ class CheckpointManager:
         self._state = ManagerState.OPEN
         self._inflight: SaveHandle | None = None
         self._last_committed: int | None = None
+        self.longest_save_s = 0.0  # the longest save of this manager, from its request to its commit
         self._disk_full: DiskFullError | None = None
         if rank == 0:  # one job per directory (the agent's run-directory lock): nobody else is mid-save
             removed = remove_leftovers(self.root)
@@ -147,13 +148,15 @@ class CheckpointManager:
 
     def save(
         self, step: int, state: dict[str, Any], *, extras: dict[str, Any] | None = None, blocking: bool = False,
-        required: bool = False,
+        required: bool = False, wait_s: float | None = None,
     ) -> SaveHandle:
         """Stages ``state`` and returns; with ``blocking`` (or async disabled) waits until it is committed.
 
         ``required`` (the last step's save, a preemption's): never skipped by the ``skip`` policy; it
-        waits for the save in flight instead. Raises :class:`DiskFullError` once a save failed for a
-        full disk: checkpointing cannot go on, and restarting ranks does not help.
+        waits for the save in flight instead, at most ``wait_s`` (default ``config.timeout_s``); one
+        still in flight then is left to finish and this save is skipped (a preemption's grace is over).
+        Raises :class:`DiskFullError` once a save failed for a full disk: checkpointing cannot go on,
+        and restarting ranks does not help.
         """
         self._check_open()
         if self._disk_full is not None:
@@ -175,7 +178,16 @@ class CheckpointManager:
                 return SaveHandle(step, SavePhase.SKIPPED)
             self._events.emit("checkpoint_waiting", step=step, in_flight=previous.step, rank=self.rank,
                               required=required)
-            previous.wait(self.config.timeout_s)
+            try:
+                previous.wait(self.config.timeout_s if wait_s is None else wait_s)
+            except TimeoutError:
+                if wait_s is None:
+                    raise
+                # Its writer still reads the staging buffers: this save cannot stage into them.
+                self._events.emit("checkpoint_skipped", step=step, in_flight=previous.step, rank=self.rank,
+                                  reason=f"the save in flight did not finish within {wait_s:.3g} s")
+                self._coord.skip(step)
+                return SaveHandle(step, SavePhase.SKIPPED)
             if self._disk_full is not None:  # the save waited for ran out of space
                 raise DiskFullError(self._disk_full.message)
         self._coord.unskip(step)  # a step this rank skipped before and saves now
@@ -433,11 +445,13 @@ class CheckpointManager:
 
     def _committed(self, h: SaveHandle, job: _Job) -> None:
         self._last_committed = h.step
+        seconds = time.monotonic() - job.started
+        self.longest_save_s = max(self.longest_save_s, seconds)
         self._events.emit(
             "checkpoint_committed",
             step=h.step,
             rank=self.rank,
-            seconds=round(time.monotonic() - job.started, 6),
+            seconds=round(seconds, 6),
             bytes=job.nbytes,
         )
         h.move(SavePhase.COMMITTED)

@@ -1,18 +1,23 @@
-"""Crash points for tests: a process SIGKILLs itself at a named stage of a save.
+"""Crash points and slow writes for tests: a save dies, or takes its time, at a named stage.
 
 Set ``RESILIENT_TRAIN_CKPT_KILL_AT`` to ``STAGE``, ``STAGE@STEP`` or
 ``STAGE@STEP@RANK`` in the environment of a rank (the background writer inherits
-it). Unset, every crash point is a dictionary lookup and nothing else.
+it): the process SIGKILLs itself there. Set ``RESILIENT_TRAIN_CKPT_SLOW_WRITE``
+to ``SECONDS@STEP`` or ``SECONDS@STEP@RANK``: the writer process sleeps that long
+before it writes the step (a save in flight that outlasts a preemption's
+timeout, without a large state). Unset, each is a dictionary lookup and nothing else.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
-__all__ = ["KILL_AT_ENV", "STAGES", "crash_point"]
+__all__ = ["KILL_AT_ENV", "SLOW_WRITE_ENV", "STAGES", "crash_point", "slow_write"]
 
 KILL_AT_ENV = "RESILIENT_TRAIN_CKPT_KILL_AT"
+SLOW_WRITE_ENV = "RESILIENT_TRAIN_CKPT_SLOW_WRITE"
 
 # In the order a save goes through them.
 STAGES = (
@@ -41,3 +46,16 @@ def crash_point(stage: str, *, step: int, rank: int) -> None:
     if len(parts) > 2 and int(parts[2]) != rank:
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_write(*, step: int, rank: int) -> None:
+    """In the writer process, before it writes ``step``: sleeps as ``RESILIENT_TRAIN_CKPT_SLOW_WRITE`` says."""
+    spec = os.environ.get(SLOW_WRITE_ENV)
+    if not spec:
+        return
+    parts = spec.split("@")
+    if len(parts) > 1 and int(parts[1]) != step:
+        return
+    if len(parts) > 2 and int(parts[2]) != rank:
+        return
+    time.sleep(float(parts[0]))

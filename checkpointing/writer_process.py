@@ -192,6 +192,7 @@ def _serve(rank: int) -> None:
         try:
             wrap = (lambda s: _KillMidWrite(s, step, rank)) if armed else None
             chunks = {k: Chunk.from_json(c) for k, c in msg.get("chunks", {}).items()}
+            testhooks.slow_write(step=step, rank=rank)
             names = write_shard(directory, rank, buffers, chunks=chunks, wrap_stream=wrap)
             files = describe_files(directory, names)
             testhooks.crash_point("written", step=step, rank=rank)

@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="a host snapshot of the model and optimizer every N steps (default 0: none; "
                         "live replicas are the redundancy)")
+    p.add_argument("--preempt-grace", type=float, default=None,
+                   help="seconds from a preemption signal to the ranks' exit, its checkpoint included (default: "
+                        "60, or three times the longest save so far, whichever is longer; the agent follows it)")
     p.add_argument("--cupti-every", type=int, default=0,
                    help="NVRx's CUPTI kernel straggler scores every N steps, as events "
                         "(needs the nvrx extra and CUDA; default 0: off)")
@@ -126,6 +129,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--snapshot-every must be >= 0")
     if args.cupti_every < 0:
         p.error("--cupti-every must be >= 0")
+    try:
+        preemption = rt.PreemptionConfig(grace_s=args.preempt_grace)
+    except ValueError as e:
+        p.error(f"--preempt-grace: {e}")
+    args.preemption = preemption
     if args.cupti_every and (why := unavailable_reason()):
         p.error(f"--cupti-every: {why}")
     return args
@@ -142,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     cupti = CuptiConfig(report_every_steps=args.cupti_every) if args.cupti_every else None
     sup = rt.Supervisor(rt.SupervisorConfig(
         steps=args.steps, checkpoint=checkpoint, rerun=rerun, cupti=cupti,
-        snapshot_every=args.snapshot_every or None, **({"reproducible": True} if args.reproducible else {}),
+        snapshot_every=args.snapshot_every or None, preemption=args.preemption,
+        **({"reproducible": True} if args.reproducible else {}),
     ))
     if sup.env.replacement:
         # A replacement takes its weights from a peer: skip initialisation.

@@ -12,6 +12,7 @@ from resilient_train.context import StepContext
 from resilient_train.errors import GenerationFailed, UsageError
 from resilient_train.heartbeat import heartbeat
 from resilient_train.mesh import MeshSpec
+from resilient_train.preempt import PreemptionConfig
 from resilient_train.sharded import ShardedModule
 from resilient_train.supervisor import Supervisor, SupervisorConfig
 from resilient_train.train_state import Stateful, TrainState
@@ -19,6 +20,7 @@ from resilient_train.train_state import Stateful, TrainState
 __all__ = [
     "GenerationFailed",
     "MeshSpec",
+    "PreemptionConfig",
     "RerunConfig",
     "ShardedModule",
     "StepContext",

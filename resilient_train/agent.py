@@ -48,6 +48,7 @@ from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
 from resilient_train.rundir import RunDirError, take_run_dir
 from resilient_train.spare import SPARE_READY_FD
 from resilient_train import exitcodes
+from resilient_train.shutdown import PLAIN_SHUTDOWN_TIMEOUT_S, Shutdown, check_seconds
 from resilient_train.store import Keys, attempt_store, current_generation, declare_fault, job_store, new_token, read_stop
 
 __all__ = ["Agent", "AgentConfig", "AgentError", "AgentStopped", "WorkerState"]
@@ -101,7 +102,9 @@ class AgentConfig:
     env: dict[str, str] = field(default_factory=dict)
     output: OutputConfig = field(default_factory=OutputConfig)
     signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # forwarded to the workers
-    shutdown_timeout_s: float = 30.0  # after a forwarded signal, then SIGKILL
+    # After a forwarded signal, then SIGKILL (None: torchrun's 30 s); a Supervisor job follows its ranks'
+    # preemption grace instead (resilient_train.shutdown).
+    shutdown_timeout_s: float | None = None
     virtual_local_rank: bool = False
     spare: bool = False  # a spare node's agent: it waits, then takes over a lost node (resilient_train.nodes)
     node_timeout_s: float = 10.0  # a node whose agent has not beaten for this long is lost
@@ -135,8 +138,8 @@ class AgentConfig:
             raise ValueError(f"--max-replacements must be >= 0, got {self.max_replacements}")
         if self.monitor_interval_s <= 0:
             raise ValueError(f"--monitor-interval must be > 0, got {self.monitor_interval_s}")
-        if self.shutdown_timeout_s < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.shutdown_timeout_s is not None:
+            check_seconds(self.shutdown_timeout_s, "--shutdown-timeout", zero_ok=True)
         if self.entry.kind is EntryKind.SCRIPT and not Path(self.entry.target).is_file():
             raise ValueError(f"script {self.entry.target!r} does not exist")
         if self.dashboard is not None:
@@ -217,6 +220,14 @@ class Agent:
         self._spare_due: float | None = None  # when to start the next warm spare (monotonic)
         self._attempt_step = -1  # the highest step any rank of this attempt reported
         self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
+        self._shutdown = self._new_shutdown()
+
+    def _new_shutdown(self) -> Shutdown:
+        c = self.config
+        first = c.node_rank * c.nproc_per_node
+        timeout = PLAIN_SHUTDOWN_TIMEOUT_S if c.shutdown_timeout_s is None else c.shutdown_timeout_s
+        return Shutdown(node=c.node_rank, nnodes=c.nnodes, ranks=range(first, first + c.nproc_per_node),
+                        timeout_s=timeout, timeout_given=c.shutdown_timeout_s is not None)
 
     def _source(self) -> str:
         c = self.config
@@ -429,6 +440,11 @@ class Agent:
         previous = self._install_signal_handlers()
         try:
             if c.spare and not self._take_a_node():
+                if self._shutdown.from_node is not None:  # the job was preempted: it is requeued, and so is this
+                    self.events.emit("agent_end", ok=False, reason="preempted", exit_code=exitcodes.REQUEUE,
+                                     restarts=0, spare_unused=True)
+                    self._say(f"the job was preempted before it needed this spare node (exit code {exitcodes.REQUEUE})")
+                    return exitcodes.REQUEUE
                 self.events.emit("agent_end", ok=True, restarts=0, spare_unused=True)
                 self._say("the job ended without needing this spare node")
                 return 0
@@ -438,6 +454,9 @@ class Agent:
             while True:
                 if self._signal is not None:
                     raise AgentStopped(self._signal)
+                stopping = self._shutdown.stopping(self.store)  # another node's agent was signalled
+                if stopping is not None:
+                    return self._shut_down(stopping, signalled=False)
                 self._poll_workers()
                 self._poll_monitor()
                 self._poll_nodes()
@@ -445,11 +464,11 @@ class Agent:
                 if self._spare_due is not None and time.monotonic() >= self._spare_due:
                     self._spare_due = None
                     self._start_spare()
+                if self._stop_code == exitcodes.REQUEUE:
+                    return self._shut_down(None, signalled=False)  # preempted: the other ranks are saving
                 if self._stop_code is not None:
                     reason = self._stop_reason or "the rerun policy stopped the job"
-                    # Preempted ranks are writing their checkpoint: they get the shutdown timeout.
-                    self._stop_workers(grace_s=self.config.shutdown_timeout_s
-                                       if self._stop_code == exitcodes.REQUEUE else 5.0)
+                    self._stop_workers(grace_s=5.0)
                     self.events.emit("agent_end", ok=False, reason=reason, exit_code=self._stop_code,
                                      restarts=self.restarts)
                     self._say(f"job stopped: {reason} (exit code {self._stop_code})")
@@ -461,7 +480,7 @@ class Agent:
                     return 0
                 time.sleep(c.monitor_interval_s)
         except AgentStopped as e:
-            return self._forward_stop(e.signum)
+            return self._shut_down(e.signum, signalled=True)
         except dist.DistError as e:
             if self._hosting:
                 raise
@@ -496,15 +515,17 @@ class Agent:
         for local in range(c.nproc_per_node):
             self._spawn(first + local, generation, replacement=returning)
 
-    def _leave_job(self, timeout_s: float = 60.0) -> None:
-        """A many-node job: this node is done; node 0's agent keeps the store up until every node is."""
+    def _leave_job(self, timeout_s: float = 60.0, *, until: float | None = None) -> None:
+        """A many-node job: this node is done; node 0's agent keeps the store up until every node is
+        (``timeout_s`` at most, or ``until``, a monotonic time)."""
         c = self.config
         if c.nnodes == 1:
             return
         self.store.set(NodeKeys.done(c.node_rank), "1")
         if not self._hosting:
             return
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s if until is None else until
+        timeout_s = max(0.0, deadline - time.monotonic())
         pending = [n for n in range(c.nnodes) if n != c.node_rank]
         while pending and time.monotonic() < deadline:
             pending = [n for n in pending if not self.store.check([NodeKeys.done(n)])]
@@ -520,7 +541,8 @@ class Agent:
         self._say(f"spare node agent {index}: waiting for a node to replace")
 
         def done() -> bool:
-            return self._signal is not None or self.store.check([Keys.FINAL]) or read_stop(self.store) is not None
+            return (self._signal is not None or self.store.check([Keys.FINAL]) or read_stop(self.store) is not None
+                    or self._shutdown.stopping(self.store) is not None)
 
         node = wait_for_assignment(self.store, index, done=done)
         if node is None:
@@ -528,6 +550,7 @@ class Agent:
                 raise AgentStopped(self._signal)
             return False
         c.node_rank = node
+        self._shutdown = self._new_shutdown()
         self._monitor_for(node)
         self._nodes = NodeWatch(self.store, node, c.nnodes, c.node_timeout_s)
         self._say(f"spare node agent {index}: taking over node {node}")
@@ -590,26 +613,39 @@ class Agent:
                 break
         return previous
 
-    def _forward_stop(self, signum: int) -> int:
-        """torchrun's shutdown: the signal goes to every worker, which gets the shutdown timeout to exit."""
-        name = signal.Signals(signum).name
-        self._say(f"received {name}: forwarding it to the workers "
-                  f"(SIGKILL after {self.config.shutdown_timeout_s:g} s)")
-        for w in self.workers.values():
-            if w.proc.poll() is None:
-                try:
-                    w.proc.send_signal(signum)
-                except ProcessLookupError:
-                    pass
-        self._stop_workers(grace_s=self.config.shutdown_timeout_s)
-        # Supervisor ranks take the signal for a preemption: they exit REQUEUE after a checkpoint.
-        preempted = any(w.proc.returncode == exitcodes.REQUEUE for w in self.workers.values())
-        code = exitcodes.REQUEUE if preempted else 128 + signum
-        if preempted:
-            self._say("preempted: the workers checkpointed and stopped; start the job again to resume "
-                      f"(exit code {code})")
-        self.events.emit("agent_end", ok=False, reason=f"received {name}", exit_code=code, restarts=self.restarts)
-        return code
+    def _shut_down(self, signum: int | None, *, signalled: bool) -> int:
+        """A signal (this node's, or another node's) or a preemption its ranks began: they get the grace, the
+        rest is SIGKILLed, the exit code says what the ranks did, and the job hears that this node left."""
+        if not self.workers and signum is not None:  # a spare agent that took no node: the job goes on
+            self._say(f"received {signal.Signals(signum).name}: this spare node agent leaves; the job goes on")
+            self.events.emit("agent_end", ok=False, reason="signalled while spare", exit_code=128 + signum, restarts=0)
+            return 128 + signum
+        sd = self._shutdown
+        sd.begin(self.store, signum, signalled=signalled)
+        if signalled:
+            self._say(sd.received_line())
+        if signum is not None:
+            for w in self.workers.values():
+                if w.proc.poll() is None:
+                    try:
+                        w.proc.send_signal(signum)
+                    except ProcessLookupError:
+                        pass
+        left = sd.wait(self.store, lambda: {w.rank: w.proc for w in self.workers.values()})
+        if left:
+            self.events.emit("shutdown_killed", ranks=left, grace_s=sd.grace_s, timeout_s=sd.timeout_s)
+        self._kill_workers()
+        verdict = sd.verdict(self.store, {w.rank: w.proc.returncode for w in self.workers.values()})
+        if verdict.line is not None:
+            self._say(verdict.line)
+        self.events.emit("agent_end", ok=verdict.exit_code == 0, reason=verdict.reason, exit_code=verdict.exit_code,
+                         restarts=self.restarts, step=verdict.step, checkpoint_committed=verdict.committed)
+        if not sd.store_lost:
+            try:
+                self._leave_job(until=sd.leave_by)
+            except dist.DistError:  # node 0's agent closed the store after its grace: nothing left to tell
+                pass
+        return verdict.exit_code
 
     def _notice_supervised(self) -> None:
         """Spares are for Supervisor jobs: the first rank that registers with one starts the spare."""

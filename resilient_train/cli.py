@@ -32,6 +32,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from monitors.dashboard.server import DashboardConfig
     from resilient_train.agent import Agent, AgentError
     from resilient_train.launch import agent_config
+    from resilient_train.nativelog import FoldedStderr
     from resilient_train.preflight import check_run_inputs
 
     # Every bad flag is one line and exit 2 here, before any worker starts.
@@ -47,11 +48,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except AgentError as e:  # bad input: a port in use, a run directory that is not writable
         print(f"resilient-train: error: {e}", file=sys.stderr)
         return 2
-    try:
-        return agent.run()
-    except AgentError as e:  # the run gave up
-        print(f"resilient-train: {e}", file=sys.stderr)
-        return e.exit_code
+    # c10d's C++ warnings from the agent's own store connections, one per connection when node 0 goes, each
+    # with a C++ stack: the agent says what happened in one line instead (resilient_train.nativelog).
+    with FoldedStderr():
+        try:
+            return agent.run()
+        except AgentError as e:  # the run gave up
+            print(f"resilient-train: {e}", file=sys.stderr)
+            return e.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,13 +13,14 @@ and loads on any layout: another world size, another mesh, a data-parallel model
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from checkpointing import CheckpointConfig, CheckpointManager, NoCheckpointError
-from checkpointing.lifecycle import SavePhase
+from checkpointing.lifecycle import SaveHandle, SavePhase
 from checkpointing.manifest import Manifest
 from monitors import EventLog
 from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
@@ -31,6 +32,7 @@ from resilient_train.train_state import TrainState
 __all__ = ["DiskCheckpoints", "default_checkpoint_config"]
 
 LOCAL_KEY = "local"
+DEFAULT_TIMEOUT_S = 120.0  # of a save's write and of its commit (CheckpointConfig.timeout_s)
 
 
 def default_checkpoint_config(run_dir: str | Path, every: int, *, mode: str = "process") -> CheckpointConfig:
@@ -39,7 +41,7 @@ def default_checkpoint_config(run_dir: str | Path, every: int, *, mode: str = "p
     ``mode="disabled"`` makes every save block until committed."""
     return CheckpointConfig(
         directory=Path(run_dir) / "checkpoints", interval=every, keep_last=2, in_flight="skip",
-        local_keys=(LOCAL_KEY,), timeout_s=120.0, async_mode=mode,
+        local_keys=(LOCAL_KEY,), timeout_s=DEFAULT_TIMEOUT_S, async_mode=mode,
     )
 
 
@@ -62,6 +64,7 @@ class DiskCheckpoints:
         # Under the agent: the computed hang timeouts travel in each checkpoint (monitors.persist).
         self.run_dir = run_dir
         self._prepared = False
+        self._close_by: float | None = None  # after a preemption's save: close() waits no later (monotonic)
         # Re-pointed at each generation's keys by on_generation.
         self._manager = CheckpointManager(
             config, rank=rank, world_size=world_size, store=dist.PrefixStore("rt/ckpt-unused", store), events=events,
@@ -83,23 +86,36 @@ class DiskCheckpoints:
             self._manager.prepare(self._state_dict(state))
             self._prepared = True
 
-    def save(self, state: TrainState, *, required: bool = False) -> None:
+    @property
+    def longest_save_s(self) -> float:
+        """The longest save so far, from its request to its commit (the preemption's grace covers two)."""
+        return self._manager.longest_save_s
+
+    def save(self, state: TrainState, *, required: bool = False, wait_s: float | None = None) -> SaveHandle:
         """Saves the boundary ``state.step`` (the caller checked ``config.should_save``).
 
-        ``required`` (the last step's save): never skipped for a save still in flight.
+        ``required`` (the last step's save): never skipped for a save still in flight (waited for at most
+        ``wait_s``).
         """
         extras: dict[str, Any] = {FORM_KEY: DCP_FORM} if self.sharded else {}
         if self.rank == 0 and self.run_dir is not None:  # rank 0 writes the manifest
             monitors = read_monitor_state(self.run_dir)
             if monitors is not None:
                 extras[CHECKPOINT_EXTRAS_KEY] = monitors
-        self._manager.save(state.step, self._state_dict(state), extras=extras, required=required)
+        return self._manager.save(state.step, self._state_dict(state), extras=extras, required=required,
+                                  wait_s=wait_s)
 
-    def save_now(self, state: TrainState, *, timeout_s: float | None) -> bool:
-        """Saves ``state.step`` and waits for the commit (a preemption); True once committed."""
-        self.save(state, required=True)
-        phase = self._manager.wait(timeout=timeout_s if timeout_s is not None else 10**9)
-        return phase is SavePhase.COMMITTED
+    def save_now(self, state: TrainState, *, deadline: float, exit_by: float) -> bool:
+        """Saves ``state.step`` and waits for the commit (a preemption); True once committed.
+
+        The save in flight, if any, and this one are waited for until ``deadline`` (monotonic); closing
+        waits no later than ``exit_by``."""
+        self._close_by = exit_by
+        handle = self.save(state, required=True, wait_s=max(0.0, deadline - time.monotonic()))
+        try:
+            return handle.wait(max(0.0, deadline - time.monotonic())) is SavePhase.COMMITTED
+        except TimeoutError:  # still being written: it may yet commit, but this rank's grace is over
+            return False
 
     def load_agreed(self, state: TrainState, store: dist.Store, generation: int, *, timeout: float) -> int | None:
         """Every rank loads the same step: rank 0 picks the newest committed one.
@@ -138,7 +154,8 @@ class DiskCheckpoints:
         return state.step
 
     def close(self) -> None:
-        self._manager.close()
+        by = self._close_by
+        self._manager.close(None if by is None else max(0.1, by - time.monotonic()))
 
     def _targets(self, state: TrainState, manifest: Manifest) -> dict[str, Any] | None:
         """What the checkpoint is read into: the live model and optimizer in DCP's form, on this layout."""

@@ -9,13 +9,15 @@ code   meaning
 16     rerun: a rank computed wrong results and was excluded (re-run elsewhere)
 17     rerun: validation failed on a genuine event; the last good state is saved
 75     preempted: a signal (SIGTERM, SIGUSR1) stopped every rank at one step
-       boundary after a committed checkpoint; start the job again (requeue)
+       boundary after a committed checkpoint (or one that did not commit in
+       the grace, said so); start the job again (requeue). Every node's agent
+       decides it from the ranks' records (resilient_train.shutdown)
 28     stopped: the disk is full (a checkpoint or the final state could not be
        written; restarting would fail the same way)
 93     stopped, do not requeue: a bug (an exception that reproduced on its
        replay, or a plain script's same crash in two attempts in a row with
        no progress between), a misuse of the runtime
-128+N  the agent received signal N and forwarded it to the workers
+128+N  the agent received signal N and forwarded it to a plain script's workers
 =====  ======================================================================
 
 16 and 17 are Megatron-Core's rerun codes; 93 is NVRx's "do not requeue".

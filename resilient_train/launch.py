@@ -77,7 +77,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="signals forwarded to the workers before the agent exits (SIGUSR1 added: Slurm's "
                         "--signal; Supervisor ranks take SIGTERM and SIGUSR1 for a preemption)")
     t.add_argument("--shutdown-timeout", "--shutdown_timeout", type=number(low=0, high=MAX_SECONDS), default=None,
-                   help="seconds the workers get after a forwarded signal before SIGKILL (default 30)")
+                   help="seconds the workers get after a forwarded signal before SIGKILL (default 30); "
+                        "a Supervisor job's ranks get their preemption grace instead (PreemptionConfig.grace_s)")
     t.add_argument("--virtual-local-rank", "--virtual_local_rank", action="store_true",
                    help="LOCAL_RANK=0 for every worker, each seeing only its own GPU")
 
@@ -248,7 +249,7 @@ def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
         max_restarts=args.max_restarts, max_replacements=args.max_replacements, warm_spare=not args.no_spare,
         chaos=args.chaos, monitor_interval_s=args.monitor_interval, output=output,
         signals=_signals(args.signals_to_handle),
-        shutdown_timeout_s=30.0 if args.shutdown_timeout is None else args.shutdown_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
         virtual_local_rank=args.virtual_local_rank, **extra,  # type: ignore[arg-type]
     )
 

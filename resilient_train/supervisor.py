@@ -37,7 +37,7 @@ from resilient_train.config import SupervisorConfig
 from resilient_train.buddy import BuddyCopies
 from resilient_train.context import StepContext, StepFn
 from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_before_run
-from resilient_train.disk import DiskCheckpoints, default_checkpoint_config
+from resilient_train.disk import DEFAULT_TIMEOUT_S, DiskCheckpoints, default_checkpoint_config
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
 from resilient_train.finish import finish_run, write_final
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished
@@ -55,6 +55,7 @@ from resilient_train.rerun.driver import RerunHooks
 from resilient_train.rerun.part import RerunPart
 from resilient_train.rerun.save import save_for_stop, shared_table
 from resilient_train.sharded import Parallelize, ShardedModule
+from resilient_train.shutdown import EXIT_RESERVE_S, publish_grace, record_preempted
 from resilient_train.stepping import Stepper
 from resilient_train.store import Keys, connect_worker_store, read_fault, read_stop, request_stop
 from resilient_train.train_state import TrainState
@@ -153,6 +154,8 @@ class Supervisor:
         self._preempted: tuple[int, bool] | None = None  # (step, checkpoint committed) once stopped for one
         self._setup_parts(state)
         self.store.set(Keys.supervised(self.env.rank), str(os.getpid()))
+        self._published_grace: float | None = None
+        self._publish_grace()  # the agent's SIGKILL follows it (resilient_train.shutdown)
         self.events.emit("run_start", rank=self.env.rank, pid=os.getpid(), world_size=self.env.world_size,
                          replacement=self.env.replacement, steps=self.config.steps, since_spawn_s=_since_spawn())
         self._watcher = GenerationWatcher(self.store, rank=self.env.rank, interval_s=self.config.watch_interval_s,
@@ -166,6 +169,7 @@ class Supervisor:
         self._moved_to: int | None = None  # the generation to join after a wake (joined without asking)
         self._woken_detection: dict[str, Any] | None = None  # its fault_detected, said once the join tells
         self._stopped: JobStopped | None = None
+        self._store_lost: str | None = None  # the store is gone (node 0's agent): nothing to recover with
         handlers: dict[SupervisorState, Callable[[], SupervisorState]] = {
             _S.JOINING: self._join, _S.RESTORING: self._restore, _S.TRAINING: lambda: self._train(step_fn),
             _S.FINISHING: self._finish, _S.RECOVERING: self._recover, _S.PREEMPTING: self._preempt,
@@ -179,7 +183,11 @@ class Supervisor:
                     self._say_woken_detection(None)
                     nxt = _S.DONE
                 except Exception as exc:  # noqa: BLE001  (every failure goes through the same judgement)
-                    nxt = self._judge(exc)
+                    try:
+                        nxt = self._judge(exc)
+                    except dist.DistNetworkError as lost:  # the judgement needs the store, and it is gone
+                        self._store_lost = str(lost).splitlines()[0][:200]
+                        nxt = _S.FAILED
                 self.lifecycle.to(nxt)
         finally:
             self.preemption.close()
@@ -191,8 +199,16 @@ class Supervisor:
             join_releases(_RELEASE_AT_EXIT_S)
             for part, error in self.parts.close():
                 self.events.emit("part_close_failed", rank=self.env.rank, part=part, error=error[:500])
-                print(f"resilient-train: rank {self.env.rank}: {part} did not close cleanly: {error.splitlines()[0]}",
-                      file=sys.stderr, flush=True)
+                if self._store_lost is None:  # without the store every part fails to close: one line says why
+                    print(f"resilient-train: rank {self.env.rank}: {part} did not close cleanly: "
+                          f"{error.splitlines()[0]}", file=sys.stderr, flush=True)
+        if self._store_lost is not None:
+            self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step,
+                             recoveries=self.judge.recoveries, store_lost=self._store_lost)
+            if not self.env.under_agent:  # under the agent, its line says it for the node
+                print(f"resilient-train: rank {self.env.rank}: lost the coordination store ({self._store_lost}): "
+                      "stopping; start the job again to resume from its newest checkpoint", file=sys.stderr, flush=True)
+            raise SystemExit(exitcodes.FAILED)
         if self._stopped is not None:
             self.events.emit("run_end", rank=self.env.rank, pid=os.getpid(), step=state.step,
                              recoveries=self.judge.recoveries, stopped=self._stopped.reason)
@@ -326,6 +342,7 @@ class Supervisor:
             self.judge.progress()
             self.stepper.end_boundary()
             self.parts.on_step_end(state)
+            self._publish_grace()  # a save that took longer grows the default grace
             if self.env.rank == 0:
                 self.events.emit("step_done", step=state.step, loss=self.stepper.loss.value(), generation=self.generation)
             if self.stepper.gate.stop_agreed and state.step < self.config.steps:
@@ -334,9 +351,12 @@ class Supervisor:
         return _S.FINISHING
 
     def _preempt(self) -> SupervisorState:
-        """Every rank is at this boundary: its checkpoint, committed (within the grace), then exit REQUEUE."""
-        state, rank, p = self.state, self.env.rank, self.config.preemption
-        self.events.emit("preempting", rank=rank, step=state.step, signal=self.preemption.signal)
+        """Every rank is at this boundary: its checkpoint, committed within the grace, then exit REQUEUE."""
+        state, rank = self.state, self.env.rank
+        grace = self._publish_grace()  # fixed now; the agent's deadline is never before this rank's
+        deadline = self.preemption.deadline(grace)
+        self.events.emit("preempting", rank=rank, step=state.step, signal=self.preemption.signal, grace_s=grace)
+        record_preempted(self.store, rank, step=state.step, committed=None)
         self._enter("checkpoint", state.step)
         if self.disk is None:
             if self.run_dir is None:
@@ -345,15 +365,26 @@ class Supervisor:
         if not any(isinstance(part, DiskPart) for part in self.parts.parts):
             self.disk.on_generation(self.store, self.generation)  # a DiskPart would have done both
             self.disk.prepare(state)
-        committed = self.disk.save_now(state, timeout_s=None if p.on_grace_expiry == "wait" else p.grace_s)
+        committed = self.disk.save_now(state, deadline=deadline, exit_by=deadline + EXIT_RESERVE_S)
+        record_preempted(self.store, rank, step=state.step, committed=committed)
         self._preempted = (state.step, committed)
         self.events.emit("preempted", rank=rank, step=state.step, checkpoint_committed=committed,
                          signal=self.preemption.signal)
-        if rank == 0:
-            how = "its checkpoint is committed" if committed else f"its checkpoint did not commit within {p.grace_s:g} s"
+        if rank == 0 and not self.env.under_agent:  # the agent says it once for its node
+            how = "its checkpoint is committed" if committed else f"its checkpoint did not commit within {grace:g} s"
             print(f"resilient-train: preempted: every rank stopped at step {state.step}; {how}; "
                   f"start the job again to resume (exit code {exitcodes.REQUEUE})", file=sys.stderr, flush=True)
         return _S.DONE
+
+    def _publish_grace(self) -> float:
+        """This rank's preemption grace, in the store for its agent whenever it changes."""
+        disk = self.disk
+        grace = self.preemption.grace_s(disk.longest_save_s if disk is not None else 0.0,
+                                        disk.config.timeout_s if disk is not None else DEFAULT_TIMEOUT_S)
+        if grace != self._published_grace:
+            publish_grace(self.store, self.env.rank, grace)
+            self._published_grace = grace
+        return grace
 
     def _finish(self) -> SupervisorState:
         self._enter("checkpoint", self.state.step)  # waiting for every rank, then for the final state

@@ -29,6 +29,8 @@ from enum import IntFlag
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from resilient_train.nativelog import NativeLogFolder
+
 __all__ = ["Console", "OutputConfig", "Std", "WorkerOutput", "parse_std_streams", "read_error_file"]
 
 _RANK_PREFIX = re.compile(rb"^\[rank\d+\]:\s?")  # torch's excepthook prefixes each line once a group exists
@@ -186,6 +188,7 @@ class WorkerOutput:
         show = bool(self._show & std)
         raw = (lambda block: self._console.write(b"".join(self._prefix + b for b in block))) if show else _ignore
         tb = _TracebackBlock(on_exception=self._noted, show=self._show_traceback if show else _ignore, show_raw=raw)
+        native = NativeLogFolder()  # c10d's warnings: one line each, without their C++ stacks
         try:
             for line in iter(pipe.readline, b""):
                 if log is not None:
@@ -194,6 +197,11 @@ class WorkerOutput:
                 if std is not Std.ERR:
                     if show:
                         self._console.write(self._prefix + line, Std.OUT)
+                    continue
+                folded = native.feed(line)
+                if folded is not None:
+                    if show and folded:
+                        self._console.write(b"".join(self._prefix + f for f in folded))
                     continue
                 bare = _RANK_PREFIX.sub(b"", line)
                 if tb.feed(line, bare):

@@ -62,12 +62,13 @@ def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> 
 def run_gpt(
     run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, Any]] | None = None,
     extra: list[str] | None = None, timeout: float = 150, agent_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Job:
     args = ["run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir), *(agent_args or [])]
     if faults:
         args += ["--chaos", json.dumps(faults)]
     args += [str(GPT), "--steps", str(steps), *SMALL_GPT, *(extra or [])]
-    p = cli(*args, timeout=timeout)
+    p = cli(*args, timeout=timeout, env=env)
     return Job(p.returncode, p.stdout, p.stderr, run_dir)
 
 
@@ -93,14 +94,16 @@ def run_ddp(run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, Any
 
 
 def start_gpt(run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, Any]] | None = None,
-              agent_args: list[str] | None = None) -> subprocess.Popen:
+              agent_args: list[str] | None = None, extra: list[str] | None = None,
+              env: dict[str, str] | None = None, script: Path = GPT) -> subprocess.Popen:
     """A GPT job in the background (its own session, so a test can take all of it down)."""
     args = ["run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir), *(agent_args or [])]
     if faults:
         args += ["--chaos", json.dumps(faults)]
-    args += [str(GPT), "--steps", str(steps), *SMALL_GPT]
+    args += [str(script), "--steps", str(steps), *SMALL_GPT, *(extra or [])]
     return subprocess.Popen([sys.executable, "-m", "resilient_train.cli", *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, **(env or {})})
 
 
 def wait_for_event(run_dir: Path, predicate: Any, *, timeout: float, proc: subprocess.Popen | None = None,
