@@ -341,8 +341,11 @@ class Agent:
         spare = self._spares.take(env) if replacement and self._spares is not None else None
         spare_ready = spare is not None and spare.state is SpareState.READY
         proc: subprocess.Popen | None = None
-        if spare is not None and spare.hand_over(env, output.child_fds()):
-            proc = spare.proc
+        if spare is not None:
+            if spare.hand_over(env, output.child_fds()):
+                proc = spare.proc
+            else:
+                self.events.emit("spare_handover_failed", rank=rank, pid=spare.proc.pid, reason=spare.failure)
         if proc is None:
             try:
                 proc = subprocess.Popen(self.entry.argv(c.script_args), env=env, preexec_fn=die_with_parent,

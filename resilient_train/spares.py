@@ -105,6 +105,7 @@ class Spare:
         assert python_argv is not None, "a program (--no-python) has no spare"
         self.env = env
         self.state = SpareState.WARMING
+        self.failure: str | None = None  # why its handover failed
         self.started_at = time.monotonic()
         self._argv = [*python_argv, *script_args]
         self._orig_argv = entry.argv(script_args)
@@ -149,11 +150,13 @@ class Spare:
         message = len(payload).to_bytes(4, "big") + payload
         try:
             if self.proc.poll() is not None:
-                raise OSError("the spare exited")
+                raise OSError(f"it exited with code {self.proc.returncode}")
             self._ctrl.settimeout(HANDOVER_TIMEOUT_S)
             sent = socket.send_fds(self._ctrl, [message], list(fds))
-            self._ctrl.sendall(message[sent:])
-        except OSError:
+            if sent < len(message):  # not sendall(b""): that still sends, and the spare may have gone on already
+                self._ctrl.sendall(message[sent:])
+        except OSError as e:
+            self.failure = f"{e} {self.tail()}".strip()
             self.close()
             return False
         self._to(SpareState.HANDED)

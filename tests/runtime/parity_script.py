@@ -87,14 +87,21 @@ if env.replacement and args.print_kb:
         sys.stdout.write(f"bulk {i:07d} " + line[13:])
     print(f"parity-bulk-done rank {env.rank} pid {os.getpid()}", flush=True)
 
+env_written: list[bool] = []
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def train_step(ctx: rt.StepContext) -> torch.Tensor:
+    if not env_written:  # the environment this process's steps run in (torch sets some of it lazily)
+        env_written.append(True)
+        with open(os.path.join(out_dir, f"env{env.rank}-{os.getpid()}.json"), "w") as f:
+            json.dump(dict(os.environ), f)
     if ctx.step == args.hold_step and ctx.rank == 1 and not env.replacement:
-        open(os.path.join(out_dir, "hold"), "w").close()
+        with open(os.path.join(out_dir, "hold.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(out_dir, "hold.tmp"), os.path.join(out_dir, "hold"))  # the test reads a whole pid
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the test kills it long before
             time.sleep(0.05)

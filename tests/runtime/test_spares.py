@@ -1,0 +1,119 @@
+"""A warm spare that becomes a rank is that rank: what it inherits, and where its output goes (issues 22, 26).
+
+Real agents, real workers, a real SIGKILL from outside: rank 1 holds at a step,
+the test kills it, the agent hands rank 1 to a warm spare, and the job ends.
+Each process of rank 1 recorded what it inherited (tests/runtime/parity_script.py);
+the original and its spare-born replacement are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import REPO, Job
+
+SCRIPT = Path(__file__).resolve().parent / "parity_script.py"
+PER_RANK = {"RT_GENERATION", "RT_ROLE", "RT_SPAWNED_AT"}  # what differs between a rank and its replacement
+BULK_KB = 1024  # the replacement prints 1 MiB: past any pipe's buffer (64 KiB), which nothing would read
+
+
+def _job_with_a_killed_rank(run: Path, agent_args: list[str], *, timeout: float = 180) -> tuple[Job, int]:
+    """Runs the parity script on 2 ranks; SIGKILLs rank 1 (from outside) where it holds; returns the job and the pid."""
+    cmd = [sys.executable, "-m", "resilient_train.cli", "run", "--nproc-per-node", "2", "--run-dir", str(run),
+           *agent_args, str(SCRIPT), "--steps", "5", "--hold-step", "2", "--print-kb", str(BULK_KB)]
+    p = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        hold = run / "parity" / "hold"
+        deadline = time.monotonic() + 120
+        while not hold.exists():
+            assert p.poll() is None, p.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "rank 1 never reached its hold"
+            time.sleep(0.02)
+        pid = int(hold.read_text())
+        os.kill(pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=timeout)  # reads the console while the replacement prints its 1 MiB
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return Job(p.returncode, out.decode(errors="replace"), err.decode(errors="replace"), run), pid
+
+
+def _facts(run: Path, rank: int, pid: int) -> dict:
+    facts = json.loads((run / "parity" / f"rank{rank}-{pid}.json").read_text())
+    facts["step_environ"] = json.loads((run / "parity" / f"env{rank}-{pid}.json").read_text())
+    return facts
+
+
+def _replacement(job: Job, killed: int) -> int:
+    """The pid of rank 1's replacement, which must have come from a warm spare (else nothing is proven)."""
+    spawned = [e for e in job.of("worker_spawned") if e["replacement"]]
+    assert [(e["rank"], e["warm"]) for e in spawned] == [(1, True)], spawned
+    assert spawned[0]["pid"] != killed
+    return spawned[0]["pid"]
+
+
+def _differences(a: dict, b: dict) -> dict:
+    return {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_born_replacement_inherits_what_the_rank_it_replaces_had(tmp_path):
+    job, killed = _job_with_a_killed_rank(tmp_path / "run", ["--tee", "3"])
+    assert job.returncode == 0, job.stderr[-3000:]
+    born = _replacement(job, killed)
+    cold, warm = _facts(job.run_dir, 1, killed), _facts(job.run_dir, 1, born)
+
+    # The environment: the same but for the keys that name the generation and the spawn. At import the
+    # replacement already has what torch sets on its first optimizer (the spare built one warming up);
+    # by the first step the two are the same.
+    env_diff = _differences(cold.pop("environ"), warm.pop("environ"))
+    assert set(env_diff) - PER_RANK == {"TORCHINDUCTOR_CACHE_DIR"}, env_diff
+    assert env_diff["TORCHINDUCTOR_CACHE_DIR"][0] is None
+    assert set(_differences(cold.pop("step_environ"), warm.pop("step_environ"))) == PER_RANK
+    assert cold["num_threads"] == warm["num_threads"] == 1  # torchrun's OMP_NUM_THREADS=1 (2 ranks)
+    # fds 0-2: the agent's stdin, and pipes of the rank's own relay (--tee), in both.
+    fds_cold, fds_warm = cold.pop("fds"), warm.pop("fds")
+    assert fds_cold["0"] == fds_warm["0"] and fds_cold["0"]["open"]
+    for fd in ("1", "2"):
+        assert fds_cold[fd]["kind"] == fds_warm[fd]["kind"] == "fifo"
+        assert fds_cold[fd]["ino"] != fds_warm[fd]["ino"]  # each worker's own pipe
+    # Everything else the same: threads, interop threads, sys.path, argv, orig_argv, flags, cwd, __main__,
+    # signal handlers and mask, resource limits, process group, parent, affinity, umask, stdio modes.
+    for key in ("pid", "rng", "initial_seed"):  # a new process; torch seeds each process at random
+        cold.pop(key), warm.pop(key)
+    assert _differences(cold, warm) == {}
+    assert os.path.isabs(warm["main_file"]) and warm["main_file"] == str(SCRIPT)
+
+    # Output: both processes' stdout and stderr on the console, with the rank's prefix, and in its logs.
+    logs = job.run_dir / "logs" / "attempt_0" / "1"
+    for pid in (killed, born):
+        assert f"[default1]:parity-out rank 1 pid {pid}\n" in job.stdout
+        assert f"[default1]:parity-err rank 1 pid {pid}\n" in job.stderr
+        assert f"parity-out rank 1 pid {pid}\n" in (logs / "stdout.log").read_text()
+        assert f"parity-err rank 1 pid {pid}\n" in (logs / "stderr.log").read_text()
+    bulk = [line for line in job.stdout.splitlines() if line.startswith("[default1]:bulk ")]
+    assert len(bulk) == BULK_KB and bulk[-1].startswith(f"[default1]:bulk {BULK_KB - 1:07d} ")
+    assert (logs / "stdout.log").read_text().count("\nbulk ") == BULK_KB
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_born_replacement_that_prints_a_megabyte_finishes_the_job(tmp_path):
+    """Issue 26.1: with no --tee, a replacement's stdout is the agent's, as a cold worker's is; it never blocks."""
+    job, killed = _job_with_a_killed_rank(tmp_path / "run", [])
+    assert job.returncode == 0, job.stderr[-3000:]
+    born = _replacement(job, killed)
+    assert not [e for e in job.of("fault_detected") if e.get("kind") == "hang"], "a rank was killed as hung"
+    lines = job.stdout.splitlines()
+    assert [f"bulk {i:07d}" for i in range(BULK_KB)] == [line[:12] for line in lines if line.startswith("bulk ")]
+    assert f"parity-bulk-done rank 1 pid {born}" in lines
+    assert f"parity-err rank 1 pid {born}" in job.stderr.splitlines()
