@@ -390,7 +390,9 @@ class Agent:
         if uses_runtime:
             # A Supervisor job: the spare imports torch first, alone. The ranks starting beside it would
             # slow its import several-fold, and a fault early in the run would find it still cold.
-            if self._spares is not None:
+            if self._spares is not None and c.spare:
+                self._spares.enable()  # a spare node has no ranks yet: it warms its spares while it waits
+            elif self._spares is not None:
                 self._spares.warm_first(wait_ready_s=30.0)
         previous = self._install_signal_handlers()
         try:

@@ -106,6 +106,8 @@ class Spare:
         self.env = env
         self.state = SpareState.WARMING
         self.failure: str | None = None  # why its handover failed
+        self.announced = False  # its spare_ready event was emitted
+        self._last_words = ""  # the end of its stderr, read when it is given up
         self.started_at = time.monotonic()
         self._argv = [*python_argv, *script_args]
         self._orig_argv = entry.argv(script_args)
@@ -133,7 +135,11 @@ class Spare:
         """Notes its ready byte (within ``timeout_s``) or its death."""
         if self.state is SpareState.WARMING:
             if select.select([self._ctrl], [], [], timeout_s)[0]:
-                self._to(SpareState.READY if self._ctrl.recv(1) == READY else SpareState.GONE)
+                try:
+                    ready = self._ctrl.recv(1) == READY
+                except OSError:
+                    ready = False
+                self._to(SpareState.READY if ready else SpareState.GONE)
             elif self.proc.poll() is not None:
                 self._to(SpareState.GONE)
         elif self.state is SpareState.READY and self.proc.poll() is not None:
@@ -156,8 +162,8 @@ class Spare:
             if sent < len(message):  # not sendall(b""): that still sends, and the spare may have gone on already
                 self._ctrl.sendall(message[sent:])
         except OSError as e:
+            self.close()  # first: the tail is read through the file offset it shares with the spare
             self.failure = f"{e} {self.tail()}".strip()
-            self.close()
             return False
         self._to(SpareState.HANDED)
         self._ctrl.close()
@@ -165,16 +171,11 @@ class Spare:
         return True
 
     def tail(self, lines: int = 5) -> str:
-        """The last lines it printed on stderr (a spare that died)."""
-        try:
-            f = self._early[1]
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            return "\n".join(f.read().decode(errors="replace").strip().splitlines()[-lines:])
-        except (OSError, ValueError):
-            return ""
+        """The last lines it printed on stderr before it was given up (a spare that died)."""
+        return "\n".join(self._last_words.splitlines()[-lines:])
 
     def close(self) -> None:
-        """Gives it up: killed unless it is a rank now."""
+        """Gives it up: killed unless it is a rank now (its early output stays readable until then)."""
         if self.state is not SpareState.HANDED:
             if self.proc.poll() is None:
                 self.proc.kill()
@@ -184,6 +185,12 @@ class Spare:
                 pass
             if self.state is not SpareState.GONE:
                 self._to(SpareState.GONE)
+            try:  # read once it is dead: the agent's file shares its offset with the spare's stderr
+                f = self._early[1]
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                self._last_words = f.read().decode(errors="replace").strip()
+            except (OSError, ValueError):
+                pass
         self._ctrl.close()
         self._close_files()
 
@@ -225,8 +232,10 @@ class SparePool:
         self.enabled = True
         self._due = 0.0
         spare = self._start_next()
-        if spare is not None and spare.poll(wait_ready_s) is SpareState.WARMING:
-            self._emit("spare_slow", waited_s=wait_ready_s)
+        if spare is not None:
+            if spare.poll(wait_ready_s) is SpareState.WARMING:
+                self._emit("spare_slow", waited_s=wait_ready_s)
+            self._note(spare)
 
     def poll(self) -> None:
         """Notes spares that died or went stale, and starts the next one when it is due."""
@@ -238,19 +247,25 @@ class SparePool:
             if spare is None:
                 continue
             state = spare.poll()
-            if state is SpareState.READY:
-                self._failures = 0
-            elif state is SpareState.GONE:
+            self._note(spare)
+            if state is SpareState.GONE:
                 self._slots[i] = None
                 self._failures += 1
+                spare.close()
                 self._emit("spare_failed", pid=spare.proc.pid, exit_code=spare.proc.returncode, stderr=spare.tail(),
                            off=self._failures >= FAILURES_BEFORE_OFF)
-                spare.close()
             elif stale_check and spare.env != self._env_for(i):
                 self._slots[i] = None
                 self._emit("spare_stale", pid=spare.proc.pid)
                 spare.close()
         self._start_next()
+
+    def _note(self, spare: Spare) -> None:
+        if spare.state is SpareState.READY and not spare.announced:
+            spare.announced = True
+            self._failures = 0
+            self._emit("spare_ready", pid=spare.proc.pid, warm_s=round(time.monotonic() - spare.started_at, 3),
+                       ready=sum(s is not None and s.state is SpareState.READY for s in self._slots), size=self.size)
 
     def take(self, env: dict[str, str]) -> Spare | None:
         """A spare for the worker with ``env`` (a ready one first), out of the pool; None if none fits."""

@@ -46,7 +46,6 @@ def facts() -> dict:
         "pid": os.getpid(), "ppid": os.getppid(), "pgrp": os.getpgrp(), "sid": os.getsid(0),
         "environ": dict(os.environ),
         "num_threads": torch.get_num_threads(), "num_interop_threads": torch.get_num_interop_threads(),
-        "rng": torch.random.get_rng_state().sum().item(), "initial_seed": torch.initial_seed(),
         "sys_path": sys.path, "argv": sys.argv, "orig_argv": sys.orig_argv, "flags": list(sys.flags),
         "executable": sys.executable, "cwd": os.getcwd(),
         "main_file": main.__file__, "main_keys": sorted(k for k in vars(main) if k.startswith("__")),
