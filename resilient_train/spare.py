@@ -68,6 +68,9 @@ def main() -> int:
     _warm_up()
     try:
         ctrl.sendall(READY)
+    except OSError:
+        pass  # taken while warming: the agent sent the handover and closed its end; the message waits here
+    try:
         handover = _receive(ctrl)
     except OSError:
         return 0
