@@ -3,16 +3,21 @@
 Both on one machine, 2 nodes x ``--nproc`` ranks of the example GPT, node 1's
 agent and its ranks SIGKILLed (its host dies) once step ``--kill-step`` is done:
 
-* spare: a third agent started with ``--spare`` takes node 1 over; its ranks
-  heal from live replicas (``--node-timeout`` is the detection time);
+* spare: a third agent started with ``--spare`` takes node 1 over; it keeps a
+  warm interpreter per local rank while it waits (resilient_train.spares), so
+  each of node 1's ranks starts warm; they heal from live replicas
+  (``--node-timeout`` is the detection time);
 * restart: what a torchrun job does: every node's agent is stopped and started
   again at once (an instant scheduler), and the job resumes from the newest
   checkpoint, saved synchronously every ``--ckpt-every`` steps.
 
-Reported per run: seconds from the kill to the next completed step, and steps
-redone; runs alternate.
+Reported per run: seconds from the kill to the next completed step, steps
+redone, and (spare) how many of the node's replacements started warm and how
+long after their spawn each ran the script; runs alternate. The machine's load
+average is printed beside the figures.
 
-    python bench/node_loss.py --repeats 3
+    python bench/node_loss.py --repeats 3              # 2 nodes x 2 ranks
+    python bench/node_loss.py --repeats 3 --modes spare
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ def _kill(p: subprocess.Popen) -> None:
     p.wait()
 
 
-def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float, int]:
+def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float, int, str]:
     run, port = work / f"{mode}-{n}", _port()
     # The baseline's checkpoints are synchronous: an async save still in flight would skip the next ones.
     extra = ["--ckpt-every", str(args.ckpt_every), "--ckpt-mode", "disabled"] if mode == "restart" else []
@@ -104,7 +109,12 @@ def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float,
             redone = max((e.get("steps_redone", 0) for e in recs), default=0)
         for p in agents:
             p.wait(timeout=args.timeout)
-        return nxt["time"] - killed, redone
+        events = [e for e in _events(run) if e["time"] > killed]
+        spawned = [e for e in events if e["event"] == "worker_spawned" and e.get("replacement")]
+        started = [e["since_spawn_s"] for e in events if e["event"] == "run_start" and e.get("replacement")]
+        how = (f"{sum(bool(e.get('warm')) for e in spawned)} of {len(spawned)} warm, script after "
+               + ", ".join(f"{t:.2f}" for t in sorted(started)) + " s") if mode == "spare" else ""
+        return nxt["time"] - killed, redone, how
     finally:
         for p in agents:
             _kill(p)
@@ -113,30 +123,39 @@ def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--nproc", type=int, default=1, help="ranks per node")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    p.add_argument("--modes", default="spare,restart", help="which recoveries to run: spare, restart or both")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-step", type=int, default=25)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--node-timeout", type=float, default=2.0)
     p.add_argument("--timeout", type=float, default=240.0)
     args = p.parse_args()
-    results: dict[str, list[tuple[float, int]]] = {"spare": [], "restart": []}
+    modes = [m for m in ("spare", "restart") if m in args.modes.split(",")]
+    if not modes:
+        p.error("--modes: spare, restart or spare,restart")
+    results: dict[str, list[tuple[float, int, str]]] = {m: [] for m in modes}
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="rt-nodeloss-") as tmp:
         for n in range(args.repeats):
-            for mode in ("spare", "restart"):
+            for mode in modes:
                 r = one(mode, Path(tmp), n, args)
                 results[mode].append(r)
-                print(f"  {mode:8} run {n}: {r[0]:.2f} s, {r[1]} steps redone", file=sys.stderr, flush=True)
+                load.append(os.getloadavg()[0])
+                print(f"  {mode:8} run {n}: {r[0]:.2f} s, {r[1]} steps redone {r[2]}", file=sys.stderr, flush=True)
+    print(f"2 nodes x {args.nproc} ranks; load average (1 min) {min(load):.1f} to {max(load):.1f} over the runs")
     print("| after a node loss | kill → next step, s (median; runs) | steps redone |")
     print("|---|---|---|")
     med = {}
-    for mode, label in (("spare", f"spare node, heal from live replicas (node timeout {args.node_timeout:g} s)"),
-                        ("restart", f"restart every node from the newest checkpoint (every {args.ckpt_every})")):
-        ts = [t for t, _ in results[mode]]
+    labels = {"spare": f"spare node, heal from live replicas (node timeout {args.node_timeout:g} s)",
+              "restart": f"restart every node from the newest checkpoint (every {args.ckpt_every})"}
+    for mode in modes:
+        ts = [t for t, _, _ in results[mode]]
         med[mode] = statistics.median(ts)
-        print(f"| {label} | {med[mode]:.2f} ({', '.join(f'{t:.2f}' for t in ts)}) | "
-              f"{max(r for _, r in results[mode])} |")
-    print(f"| ratio | {med['spare'] / med['restart']:.2f}× | |")
+        print(f"| {labels[mode]} | {med[mode]:.2f} ({', '.join(f'{t:.2f}' for t in ts)}) | "
+              f"{max(r for _, r, _ in results[mode])} |")
+    if len(med) == 2:
+        print(f"| ratio | {med['spare'] / med['restart']:.2f}× | |")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,9 @@ early, and whom it blames). Every worker's stderr passes through the agent
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import gc
-import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -46,15 +43,12 @@ from resilient_train.restarts import Decision, ExitClock, Failure, RestartPolicy
 from resilient_train.workerio import Console, OutputConfig, WorkerOutput
 from resilient_train.rerun.policy import EXIT_VALIDATION_FAILED
 from resilient_train.rundir import RunDirError, take_run_dir
-from resilient_train.spare import SPARE_READY_FD
+from resilient_train.spares import SparePool, SpareState, die_with_parent, spare_env
 from resilient_train import exitcodes
 from resilient_train.shutdown import PLAIN_SHUTDOWN_TIMEOUT_S, Shutdown, check_seconds
 from resilient_train.store import Keys, attempt_store, current_generation, declare_fault, job_store, new_token, read_stop
 
 __all__ = ["Agent", "AgentConfig", "AgentError", "AgentStopped", "WorkerState"]
-
-
-SPARE_AFTER_RECOVERY_S = 3.0  # a replacement's spare starts this long after it was handed out
 
 
 class AgentError(RuntimeError):
@@ -96,6 +90,7 @@ class AgentConfig:
     max_restarts: int = 0  # restarts of every worker (torchrun's meaning and default)
     max_replacements: int = 10  # in-place replacements of dead Supervisor ranks
     warm_spare: bool = True  # only for scripts that use the Supervisor
+    spares: int | None = None  # warm spares kept (None: 1; a spare node waiting: one per local rank)
     monitor_interval_s: float = 0.05
     monitor_state_every_s: float = 5.0  # how often the computed hang timeouts are saved to the run directory
     chaos: str = ""  # JSON list of faults for the workers (chaos.dumps_faults)
@@ -134,6 +129,8 @@ class AgentConfig:
             raise ValueError(f"--master-port must be in [0, 65535], got {self.master_port}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.spares is not None and not 0 <= self.spares <= 64:
+            raise ValueError(f"--spares must be in [0, 64], got {self.spares}")
         if self.max_replacements < 0:
             raise ValueError(f"--max-replacements must be >= 0, got {self.max_replacements}")
         if self.monitor_interval_s <= 0:
@@ -162,14 +159,6 @@ class _Worker:
     state: WorkerState = WorkerState.RUNNING
     cause: dict | None = None  # set when the agent killed it (a hang, a straggler)
     kill_at: float | None = None  # a hung rank dumping its stacks: SIGKILL at this monotonic time
-
-
-def _die_with_parent() -> None:
-    # Workers must not outlive the agent (PR_SET_PDEATHSIG = 1).
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 class Agent:
@@ -211,13 +200,12 @@ class Agent:
         self.console = Console()
         self._log_dir = Path(config.output.log_dir) if config.output.log_dir else self.run_dir / "logs"
         self._exits = ExitClock()
-        self._spare: subprocess.Popen | None = None
-        self._spare_ready_fd: int | None = None
+        self._waiting = config.spare  # a spare node's agent that has no node yet
+        self._spares = self._spare_pool()
         self._supervised_seen = False  # a rank registered with the Supervisor: the job uses spares
         self._stop_code: int | None = None  # a worker asked the whole job to stop with this code
         self._stop_reason: str | None = None
         self._signal: int | None = None  # a signal to forward to the workers (config.signals)
-        self._spare_due: float | None = None  # when to start the next warm spare (monotonic)
         self._attempt_step = -1  # the highest step any rank of this attempt reported
         self._offer_taken = False  # a checkpoint's monitor state was merged (monitors.persist)
         self._shutdown = self._new_shutdown()
@@ -326,7 +314,7 @@ class Agent:
         self._nodes = NodeWatch(self.store, self.config.node_rank, self.config.nnodes, self.config.node_timeout_s)
 
     # ---------------------------------------------------------------- spawn
-    def _worker_env(self, rank: int, generation: int, replacement: bool, output: WorkerOutput) -> dict[str, str]:
+    def _worker_env(self, rank: int, generation: int, replacement: bool, error_file: Path | None) -> dict[str, str]:
         c = self.config
         local = rank - c.node_rank * c.nproc_per_node
         env = dict(os.environ)
@@ -339,12 +327,13 @@ class Agent:
             E.MASTER_ADDR: c.master_addr, E.MASTER_PORT: str(self.port),
             E.TORCHELASTIC_USE_AGENT_STORE: "True", E.TORCHELASTIC_RESTART_COUNT: str(self._attempt),
             "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts), E.TORCHELASTIC_RUN_ID: c.run_id,
-            "TORCHELASTIC_ERROR_FILE": str(output.error_file.resolve()),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             E.RT_AGENT: "1", E.RT_RUN_DIR: str(self.run_dir.resolve()), E.RT_GENERATION: str(generation),
             E.RT_ROLE: "replacement" if replacement else "initial", E.RT_CHAOS: c.chaos,
             E.RT_JOB_TOKEN: self._token,
         })
+        if error_file is not None:
+            env["TORCHELASTIC_ERROR_FILE"] = str(error_file.resolve())
         if self._omp_default:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's default (announced once at start)
         if c.virtual_local_rank:
@@ -359,7 +348,7 @@ class Agent:
         local = rank - c.node_rank * c.nproc_per_node
         output = WorkerOutput(rank=rank, local_rank=local, attempt=self._attempt, config=c.output,
                               console=self.console, log_dir=self._log_dir)
-        env = self._worker_env(rank, generation, replacement, output)
+        env = self._worker_env(rank, generation, replacement, output.error_file)
         env[E.RT_SPAWNED_AT] = repr(time.time())
         # Before the worker can start: a warm spare creates its progress slot at once, and a slot that
         # exists when the detector is reset is taken for the dead worker's and never watched. A rank
@@ -367,22 +356,18 @@ class Agent:
         old = self.workers.get(rank)
         reported = old is not None and self.monitor.hangs.last.get(rank) is not None
         self.monitor.reset(rank, expect_progress=reported)
-        spare, spare_ready = None, False
-        if replacement:  # the spare is kept for replacements, where its head start counts
-            spare, self._spare = self._spare, None
-            spare_ready = self._take_spare_ready()
+        # The spare is kept for replacements, where its head start counts.
+        spare = self._spares.take(env) if replacement and self._spares is not None else None
+        spare_ready = spare is not None and spare.state is SpareState.READY
         proc: subprocess.Popen | None = None
-        if spare is not None and spare.poll() is None and spare.stdin is not None:
-            spec = {"argv": self.entry.python_argv + self.config.script_args, "env": env, "cwd": os.getcwd()}
-            try:
-                spare.stdin.write((json.dumps(spec) + "\n").encode())
-                spare.stdin.close()
-                proc = spare
-            except OSError:
-                proc = None
+        if spare is not None:
+            if spare.hand_over(env, output.child_fds()):
+                proc = spare.proc
+            else:
+                self.events.emit("spare_handover_failed", rank=rank, pid=spare.proc.pid, reason=spare.failure)
         if proc is None:
             try:
-                proc = subprocess.Popen(self.entry.argv(c.script_args), env=env, preexec_fn=_die_with_parent,
+                proc = subprocess.Popen(self.entry.argv(c.script_args), env=env, preexec_fn=die_with_parent,
                                         **output.popen_kwargs())
             except OSError as e:
                 raise AgentError(f"cannot start {self.entry.target!r}: {e.strerror or e}") from None
@@ -390,39 +375,27 @@ class Agent:
         self._exits.watch(proc.pid)
         self.workers[rank] = _Worker(rank=rank, proc=proc, generation=generation, output=output)
         self.events.emit("worker_spawned", rank=rank, pid=proc.pid, generation=generation,
-                         replacement=replacement, warm=proc is spare, spare_ready=proc is spare and spare_ready)
+                         replacement=replacement, warm=spare is not None and proc is spare.proc,
+                         spare_ready=spare is not None and proc is spare.proc and spare_ready)
 
-    def _start_spare(self, *, wait_ready_s: float = 0.0) -> None:
-        """Starts a spare; with ``wait_ready_s``, waits until it has imported torch."""
-        if (not self.config.warm_spare or self.entry.python_argv is None
-                or (self._spare is not None and self._spare.poll() is None)):
-            return
-        ready_r, ready_w = os.pipe()
-        try:
-            # Its output is piped from the start: once it becomes a rank, its stderr goes through the agent.
-            self._spare = subprocess.Popen(
-                [sys.executable, "-u", "-m", "resilient_train.spare"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                preexec_fn=_die_with_parent, pass_fds=(ready_w,),
-                env={**os.environ, **self.config.env, SPARE_READY_FD: str(ready_w)},
-            )
-        finally:
-            os.close(ready_w)
-        self._spare_ready_fd = ready_r
-        if wait_ready_s > 0:
-            readable, _, _ = select.select([ready_r], [], [], wait_ready_s)
-            if not readable:
-                self.events.emit("spare_slow", waited_s=wait_ready_s)
+    def _spare_pool(self) -> SparePool | None:
+        """The warm spares (resilient_train.spares): each starts with this node's worker environment."""
+        c = self.config
+        if not c.warm_spare or c.spares == 0 or self.entry.python_argv is None:
+            return None
 
-    def _take_spare_ready(self) -> bool:
-        """Whether the spare being handed out had finished warming up."""
-        fd, self._spare_ready_fd = self._spare_ready_fd, None
-        if fd is None:
-            return False
-        try:
-            return bool(select.select([fd], [], [], 0)[0])
-        finally:
-            os.close(fd)
+        def env_for(slot: int) -> dict[str, str]:
+            local = slot % c.nproc_per_node  # spares differ per local rank only with --virtual-local-rank
+            return spare_env(self._worker_env(c.node_rank * c.nproc_per_node + local, 0, False, None))
+
+        return SparePool(self.entry, c.script_args, env_for=env_for, emit=self.events.emit, size=self._spares_wanted())
+
+    def _spares_wanted(self) -> int:
+        """``--spares`` (default 1: one lost rank); a spare node still waiting: one per local rank it may take over."""
+        c = self.config
+        if self._waiting:
+            return max(c.nproc_per_node, c.spares or 0)
+        return 1 if c.spares is None else c.spares
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -436,7 +409,10 @@ class Agent:
         if uses_runtime:
             # A Supervisor job: the spare imports torch first, alone. The ranks starting beside it would
             # slow its import several-fold, and a fault early in the run would find it still cold.
-            self._start_spare(wait_ready_s=30.0)
+            if self._spares is not None and c.spare:
+                self._spares.enable()  # a spare node has no ranks yet: it warms its spares while it waits
+            elif self._spares is not None:
+                self._spares.warm_first(wait_ready_s=30.0)
         previous = self._install_signal_handlers()
         try:
             if c.spare and not self._take_a_node():
@@ -449,8 +425,8 @@ class Agent:
                 self._say("the job ended without needing this spare node")
                 return 0
             self._start_node()
-            if uses_runtime:
-                self._start_spare()
+            if self._spares is not None:
+                self._spares.resize(self._spares_wanted())  # a spare node's ranks took its spares: now a node's
             while True:
                 if self._signal is not None:
                     raise AgentStopped(self._signal)
@@ -461,9 +437,8 @@ class Agent:
                 self._poll_monitor()
                 self._poll_nodes()
                 self._notice_supervised()
-                if self._spare_due is not None and time.monotonic() >= self._spare_due:
-                    self._spare_due = None
-                    self._start_spare()
+                if self._spares is not None:
+                    self._spares.poll()
                 if self._stop_code == exitcodes.REQUEUE:
                     return self._shut_down(None, signalled=False)  # preempted: the other ranks are saving
                 if self._stop_code is not None:
@@ -541,6 +516,8 @@ class Agent:
         self._say(f"spare node agent {index}: waiting for a node to replace")
 
         def done() -> bool:
+            if self._spares is not None:
+                self._spares.poll()  # warms one spare per local rank while it waits
             return (self._signal is not None or self.store.check([Keys.FINAL]) or read_stop(self.store) is not None
                     or self._shutdown.stopping(self.store) is not None)
 
@@ -551,6 +528,7 @@ class Agent:
             return False
         c.node_rank = node
         self._shutdown = self._new_shutdown()
+        self._waiting = False
         self._monitor_for(node)
         self._nodes = NodeWatch(self.store, node, c.nnodes, c.node_timeout_s)
         self._say(f"spare node agent {index}: taking over node {node}")
@@ -649,12 +627,11 @@ class Agent:
 
     def _notice_supervised(self) -> None:
         """Spares are for Supervisor jobs: the first rank that registers with one starts the spare."""
-        if self._supervised_seen or not self.config.warm_spare:
+        if self._supervised_seen or self._spares is None:
             return
         if any(self.store.check([Keys.supervised(r)]) for r in self.workers):
             self._supervised_seen = True
-            if self._spare is None:
-                self._spare_due = time.monotonic()
+            self._spares.enable()
 
     def _poll_workers(self) -> None:
         dead: list[tuple[_Worker, int]] = []
@@ -768,9 +745,6 @@ class Agent:
             declare_fault(self.store, g, {"rank": w.rank, "kind": cause["kind"], "how": failure.how,
                                           "time": time.time()}, world_size=self.config.world_size)
             self._spawn(w.rank, current_generation(self.store), replacement=True)
-            # The next spare imports torch later: started now, it would take the CPU from the ranks
-            # recovering (on a small host the replacement's first step ran several times slower).
-            self._spare_due = time.monotonic() + SPARE_AFTER_RECOVERY_S
             return
         self._restart_all(failure, followed)
 
@@ -870,9 +844,8 @@ class Agent:
         self._exits.close()
         self._save_monitor_state()
         self.monitor.close()
-        if self._spare is not None and self._spare.poll() is None:
-            self._spare.kill()
-            self._spare.wait(timeout=10)
+        if self._spares is not None:
+            self._spares.close()
 
 
 def _kill_reason(cause: dict) -> str:

@@ -93,7 +93,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a node agent's beat before the node counts as lost (default 10)")
     o.add_argument("--max-replacements", type=integer(low=0), default=10,
                    help="in-place replacements of dead Supervisor ranks before giving up (default 10)")
-    o.add_argument("--no-spare", action="store_true", help="do not keep a warm spare worker")
+    o.add_argument("--no-spare", action="store_true", help="do not keep warm spare workers (the same as --spares 0)")
+    o.add_argument("--spares", type=int, default=None,
+                   help="warm spare interpreters this node keeps for its replacements (default 1; a --spare node "
+                        "keeps one per local rank while it waits)")
     o.add_argument("--chaos", default="", help="JSON list of faults to inject (see the chaos package)")
     o.add_argument("--monitor-config", default=None,
                    help="YAML/JSON file with hang, straggler and metrics settings (see monitors.MonitorConfig)")
@@ -247,6 +250,7 @@ def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
         spare=args.spare, node_timeout_s=args.node_timeout, job_token_file=_token_file(args.job_token_file),
         fixed_port=master_port not in (None, 0), run_id=run_id, role=args.role, run_dir=args.run_dir,
         max_restarts=args.max_restarts, max_replacements=args.max_replacements, warm_spare=not args.no_spare,
+        spares=args.spares,
         chaos=args.chaos, monitor_interval_s=args.monitor_interval, output=output,
         signals=_signals(args.signals_to_handle),
         shutdown_timeout_s=args.shutdown_timeout,

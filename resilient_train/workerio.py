@@ -20,6 +20,7 @@ Log files go to ``LOG_DIR/attempt_N/LOCAL_RANK/{stdout,stderr}.log`` and
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -159,16 +160,42 @@ class WorkerOutput:
         self.last_exception: str | None = None
         self._threads: list[threading.Thread] = []
         self._pipe_out = bool(self._file & Std.OUT) or not (self._show & Std.OUT)
+        self._child: tuple[int, int, int] | None = None  # the worker's fds 0, 1, 2 (child_fds)
+        self._reads: dict[Std, int] = {}  # the agent's ends of the pipes, until start()
+        self._extra: list[int] = []  # fds the agent opened for the worker: closed once it holds them
 
     def popen_kwargs(self) -> dict[str, Any]:
-        return {"stdout": subprocess.PIPE if self._pipe_out else None, "stderr": subprocess.PIPE}
+        """Popen's streams for a cold worker: stdin and (unless it is read) stdout are the agent's, as under torchrun."""
+        stdin, out, err = self.child_fds()
+        return {"stdin": stdin, "stdout": out, "stderr": err}
 
-    def start(self, proc: subprocess.Popen) -> None:
-        streams = [(proc.stderr, Std.ERR, "stderr.log")]
-        if self._pipe_out:
-            streams.append((proc.stdout, Std.OUT, "stdout.log"))
-        for pipe, std, name in streams:
-            assert pipe is not None
+    def child_fds(self) -> tuple[int, int, int]:
+        """The worker's fds 0, 1 and 2: the agent's stdin, then the write ends of its pipes (stdout: the
+        agent's own where nothing reads it). A warm spare that becomes this worker gets these same fds
+        (resilient_train.spares), so it writes where a cold worker would."""
+        if self._child is None:
+            stdin = _own_or_null(0, os.O_RDONLY, self._extra)
+            out = _own_or_null(1, os.O_WRONLY, self._extra)
+            if self._pipe_out:
+                r, out = os.pipe()
+                self._reads[Std.OUT] = r
+                self._extra.append(out)
+            r, err = os.pipe()
+            self._reads[Std.ERR] = r
+            self._extra.append(err)
+            self._child = (stdin, out, err)
+        return self._child
+
+    def start(self, proc: subprocess.Popen | None = None) -> None:
+        """The worker holds its ends now: the agent closes its copies and relays what comes."""
+        self.child_fds()
+        for fd in self._extra:
+            os.close(fd)
+        self._extra.clear()
+        for std, name in ((Std.ERR, "stderr.log"), (Std.OUT, "stdout.log")):
+            if std not in self._reads:
+                continue
+            pipe = os.fdopen(self._reads.pop(std), "rb")
             log = (self.dir / name).open("ab") if self._file & std else None
             t = threading.Thread(target=self._relay, args=(pipe, std, log), daemon=True,
                                  name=f"rt-out-rank{self.rank}-{name}")
@@ -293,6 +320,17 @@ class _TracebackBlock:
         while block and not _RANK_PREFIX.sub(b"", block[-1]).strip():
             block.pop()  # the blank lines held for a chain that did not come
         self._show(block)
+
+
+def _own_or_null(fd: int, flags: int, opened: list[int]) -> int:
+    """The agent's own ``fd`` (a worker inherits it), or /dev/null where the agent has none open."""
+    try:
+        os.fstat(fd)
+        return fd
+    except OSError:
+        null = os.open(os.devnull, flags | os.O_CLOEXEC)
+        opened.append(null)
+        return null
 
 
 def _ignore(block: list[bytes]) -> None:

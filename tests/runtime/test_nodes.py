@@ -109,6 +109,8 @@ def test_a_lost_node_is_taken_over_by_the_spare_and_the_run_is_bitwise(cluster_f
     c.start("node1", node_rank=1)
     c.start("spare", spare=True)
     c.wait_event(lambda e: e["event"] == "step_done" and e["step"] >= 6)
+    # The spare node keeps a warm interpreter for each local rank it may take over (issue 22).
+    c.wait_event(lambda e: e["event"] == "spare_ready" and e["source"] == "agent-spare" and e["ready"] == NPROC)
     os.killpg(c.agents["node1"].pid, signal.SIGKILL)  # the host dies: the agent and its ranks (PDEATHSIG)
     c.agents["node1"].wait()
     for name in ("node0", "spare"):
@@ -118,6 +120,8 @@ def test_a_lost_node_is_taken_over_by_the_spare_and_the_run_is_bitwise(cluster_f
     assert [(e["node"], e["spare"]) for e in lost] == [(1, 0)]
     took = [e for e in c.events() if e["event"] == "node_started" and e["source"] == "agent-spare"]
     assert [(e["node"], e["returning"]) for e in took] == [(1, True)]
+    spawned = [e for e in c.events() if e["event"] == "worker_spawned" and e["source"] == "agent-spare"]
+    assert sorted((e["rank"], e["replacement"], e["warm"]) for e in spawned) == [(2, True, True), (3, True, True)]
     # The lost node's ranks heal (a survivor caught behind its peer's commit by the loss heals too).
     healed = [e for e in c.events() if e["event"] == "recovery_done" and e.get("healed")]
     assert healed and all(e["replacements"] == [2, 3] and {2, 3} <= set(e["healed"]) for e in healed), healed
