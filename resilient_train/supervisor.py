@@ -580,12 +580,15 @@ class Supervisor:
             return  # a fresh start, not a recovery
         t = self._timings
         fault_time = t.get("fault_time", float((plan.cause or {}).get("time", t["t_detect"])))
+        # Where the state stands now, whatever restored it: a live replica, a host snapshot or a buddy copy
+        # (plan.step), or the checkpoint all ranks agreed to load (plan.step is None for a disk resume).
+        resume = self.state.step
         self.events.emit(
-            "recovery_done", rank=self.env.rank, generation=plan.generation, resume_step=plan.step,
+            "recovery_done", rank=self.env.rank, generation=plan.generation, resume_step=resume,
             resume_from=plan.source.value, replacements=plan.replacements, healed=plan.healed,
             detect_s=max(0.0, t["t_detect"] - fault_time),
             abort_s=t["abort_s"], rendezvous_s=t["rendezvous_s"], heal_s=t["heal_s"],
-            steps_redone=max(0, int(t["fault_step"]) - (plan.step or 0)),
+            steps_redone=max(0, int(t["fault_step"]) - resume),
         )
         self._timings = {}
 
