@@ -37,7 +37,7 @@ def test_a_user_ddp_recovers_bitwise_from_a_kill_during_a_survivors_pending_all_
     out, err = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "resilient_train.cli", "run", "--nproc-per-node", "3", "--run-dir", str(run_dir),
-         str(SCRIPT), "--steps", str(STEPS), "--barrier", str(barrier), "--fault-step", str(AT)],
+         str(SCRIPT), "--steps", str(STEPS), "--reproducible", "--barrier", str(barrier), "--fault-step", str(AT)],
         cwd=REPO, stdout=out, stderr=err, start_new_session=True)
     try:
         victim = wait_for_event(run_dir, lambda e: e["event"] == "run_start" and e["rank"] == 2, timeout=120,
@@ -65,7 +65,7 @@ def test_a_user_ddp_recovers_bitwise_from_a_kill_during_a_survivors_pending_all_
     assert [(e["rank"], e["kind"]) for e in agent] == [(2, "exit")], agent
     assert not [h for h in job.of("hang_detected") if not h["waiting"]], job.of("hang_detected")
     survivors_kept_pids(job, killed={2})
-    ref = run_script(tmp_path / "ref", SCRIPT, ["--steps", str(STEPS)], nproc=3, timeout=200)
+    ref = run_script(tmp_path / "ref", SCRIPT, ["--steps", str(STEPS), "--reproducible"], nproc=3, timeout=200)
     assert ref.returncode == 0, ref.stderr[-3000:]
     d = ckpt_diff(ref.run_dir / "final", job.run_dir / "final")
     assert d.returncode == 0, f"final state differs from the fault-free run: {d.stdout}{d.stderr}"
