@@ -10,8 +10,17 @@ section's timeout. Timeouts are, in order of precedence:
 3. computed: the largest duration any rank has shown for the section, times
    ``safety_factor`` (at least ``min_timeout``, at most the longest timeout the
    configuration grants: ``HangConfig.longest_timeout``), once the section has
-   been seen ``min_observations`` times across ranks;
+   been seen ``min_observations`` times across ranks; in a rank's first step of a
+   generation (its slot says so), at least ``default_timeout``: a
+   replacement's first step runs on cold caches and a survivor's first
+   collective waits for peers still healing;
 4. ``default_timeout`` otherwise.
+
+A rank in a collective is timed from the moment the last of its local peers
+in that generation entered one, not from its own entry: it cannot be blamed
+for the time a slower peer took to arrive (the peer, outside the collective,
+is the one timed meanwhile). When every hung rank waits in a collective, a
+stopped process (SIGSTOP) among them is the culprit.
 
 Only ranks that report progress are watched: a rank with no slot (a plain
 torchrun script that neither uses the Supervisor nor calls
@@ -36,8 +45,11 @@ from typing import Any, Iterable
 from monitors.configfile import MAX_COUNT, MAX_SECONDS, kind, require_bool, require_int, require_number, require_strs
 from monitors.progress import ProgressReader, ProgressSnapshot
 from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS, Section
+from monitors.stacks import is_stopped
 
 RECOVERY = Section.RECOVERY.value
+STARTUP = Section.STARTUP.value
+LOAD = Section.LOAD.value
 
 __all__ = ["Hang", "HangConfig", "HangDetector", "ranks_to_kill"]
 
@@ -97,6 +109,7 @@ class Hang:
     since_progress_s: float
     timeout_s: float
     waiting_on: tuple[int, ...] = ()
+    stopped: bool = False  # the process is stopped (SIGSTOP): it is hung whatever it waits for
 
     @property
     def blocked_by_peer(self) -> bool:
@@ -151,8 +164,8 @@ class HangDetector:
             d.pop(rank, None)
         self._expected.discard(rank)
 
-    def timeout(self, section: str) -> float:
-        """The timeout applied now to a rank in ``section``."""
+    def timeout(self, section: str, *, first_step: bool = False) -> float:
+        """The timeout applied now to a rank in ``section`` (of its first step in a generation)."""
         c = self.config
         if section in c.timeouts:
             return c.timeouts[section]
@@ -161,7 +174,8 @@ class HangDetector:
         if section in LONG_SECTIONS:
             return c.long_section_timeout
         if c.computed and self._count.get(section, 0) >= c.min_observations:
-            return min(max(c.min_timeout, c.safety_factor * self._max[section]), c.longest_timeout)
+            computed = min(max(c.min_timeout, c.safety_factor * self._max[section]), c.longest_timeout)
+            return max(computed, c.default_timeout) if first_step else computed
         return c.default_timeout
 
     def poll(self, now: float | None = None) -> list[Hang]:
@@ -180,6 +194,12 @@ class HangDetector:
             live[rank] = snap
         if not self.config.enabled:
             return []
+        collective = self.config.collective_sections
+        arrived: dict[int, float] = {}  # per generation, when the last local rank entered a collective
+        for snap in live.values():
+            if snap is not None and snap.counter and snap.section in collective and \
+                    snap.started_s <= snap.last_progress_s <= now + 1.0:
+                arrived[snap.generation] = max(arrived.get(snap.generation, 0.0), snap.last_progress_s)
         hangs = []
         for rank, snap in live.items():
             if snap is None and rank not in self._expected:
@@ -192,7 +212,10 @@ class HangDetector:
                 if snap.started_s <= snap.last_progress_s <= now + 1.0:
                     self._impossible[rank] = 0
                     # Never more idle time than since this process was first watched (reset at its spawn).
-                    since = now - max(snap.last_progress_s, self._since[rank])
+                    start = max(snap.last_progress_s, self._since[rank])
+                    if section in collective:  # its collective could not end before its last local peer came
+                        start = max(start, arrived.get(snap.generation, start))
+                    since = now - start
                 else:
                     # A time its writer never wrote: a damaged slot. Judged once it has stayed so
                     # for a while, by the time since the rank was first watched.
@@ -201,11 +224,12 @@ class HangDetector:
                     if self._impossible[rank] < IMPOSSIBLE_READS_BEFORE_JUDGING:
                         continue
                     since = now - self._since[rank]
-            limit = self.timeout(section)
+            limit = self.timeout(section, first_step=snap is not None and snap.first_step)
             if since > limit:
                 waiting = self._waiting_on(rank, section, live)
                 hangs.append(Hang(rank=rank, pid=pid, section=section, step=step,
-                                  since_progress_s=since, timeout_s=limit, waiting_on=waiting))
+                                  since_progress_s=since, timeout_s=limit, waiting_on=waiting,
+                                  stopped=pid is not None and is_stopped(pid)))
         hangs.sort(key=lambda h: -h.since_progress_s)
         return hangs
 
@@ -213,16 +237,25 @@ class HangDetector:
         """The peers a rank past its timeout waits for, if it waits at all.
 
         In a collective it waits for peers outside one, unless they went on to
-        the next generation's recovery (then nothing will come: it is stuck). In
-        recovery it waits for every peer that has not joined it there (a peer
-        still stuck in an old collective, or a replacement starting up).
+        a later generation's recovery (then nothing will come: it is stuck); a
+        peer still in recovery into this rank's own generation (healing,
+        rebuilding its DDP) is one it waits for. In recovery it waits for
+        every peer that has not joined it there and is not already training in
+        its generation or a later one (a peer still stuck in an old
+        collective, or a replacement starting up).
         """
         collective = self.config.collective_sections
+        me = live[rank]
+        gen = me.generation if me is not None else 0
         if section in collective:
             return tuple(sorted(r for r, s in live.items() if r != rank and (
-                s is None or (s.section not in collective and s.section != RECOVERY))))
+                s is None or (s.section not in collective and (s.section != RECOVERY or s.generation <= gen)))))
         if section == RECOVERY:
-            return tuple(sorted(r for r, s in live.items() if r != rank and (s is None or s.section != RECOVERY)))
+            def ahead(s: ProgressSnapshot) -> bool:
+                return s.generation >= gen and s.section not in (STARTUP, LOAD)
+
+            return tuple(sorted(r for r, s in live.items() if r != rank and (
+                s is None or (s.section != RECOVERY and not ahead(s)))))
         return ()
 
     def _observe(self, rank: int, snap: ProgressSnapshot) -> None:
@@ -287,15 +320,21 @@ def _known_sections(state: dict[str, Any], name: str) -> dict[str, Any]:
 
 def ranks_to_kill(hangs: list[Hang], collective_sections: Iterable[str]) -> list[int]:
     """The hung ranks to kill: never one merely waiting on a local peer, and,
-    when every hung rank waits in a collective, only the ones behind.
+    when every hung rank waits in a collective, only the stopped ones, else
+    only the ones behind.
 
     A rank that stopped just after an all-reduce still shows that all-reduce,
     one step behind its peers waiting in the next one. Killing them all would
-    leave no rank holding a snapshot to resume from.
+    leave no rank holding a snapshot to resume from. A rank stopped inside
+    the collective shows the same section and step as the peers it blocks.
     """
     kill = [h for h in hangs if not h.blocked_by_peer]
     collective = set(collective_sections)
     if len(kill) > 1 and all(h.section in collective for h in kill):
-        lowest = min(h.step for h in kill)
-        kill = [h for h in kill if h.step == lowest]
+        stopped = [h for h in kill if h.stopped]
+        if stopped:
+            kill = stopped
+        else:
+            lowest = min(h.step for h in kill)
+            kill = [h for h in kill if h.step == lowest]
     return sorted(h.rank for h in kill)

@@ -11,8 +11,8 @@ Layout (little endian; timestamps are ``CLOCK_MONOTONIC`` nanoseconds, which all
 processes of one host share):
 
 - header at 0: magic, version, pid, flags, seqlock, progress counter, step,
-  section code, time of the last ``enter``, time the reporter started, number
-  of completed steps written to the ring;
+  section code, generation, time of the last ``enter``, time the reporter
+  started, number of completed steps written to the ring;
 - section statistics at 128: per section, count, total and largest duration;
 - ring at 512: the last ``RING`` completed steps, each with its step number,
   end time, duration, per-section wall-clock durations and, on a GPU rank,
@@ -50,12 +50,13 @@ __all__ = [
 ]
 
 MAGIC = b"RTP1"
-VERSION = 2
+VERSION = 3  # 3: the generation and the first-step flag
 NSECT = len(SECTIONS)
 RING = 256
 FLAG_CLOSED = 1
+FLAG_FIRST_STEP = 2  # the rank is in its first step of the current generation (see ProgressReporter)
 
-_HEADER = struct.Struct("<4sIiIQQqiiqqQ")  # 72 bytes
+_HEADER = struct.Struct("<4sIiIQQqiiqqQ")  # 72 bytes; the int after the section code is the generation
 _SEQ_OFF = 16
 _U64 = struct.Struct("<Q")
 _DONE_OFF = 64  # the header's count of completed steps
@@ -72,6 +73,8 @@ _DEVICE_STATES = {"none": DEVICE_NONE, "pending": DEVICE_PENDING, "skipped": DEV
 SLOT_SIZE = _RING_OFF + RING * _ENTRY.size
 _NO_DEVICE = (0,) * NSECT
 _RECOVERY = section_code(Section.RECOVERY)
+# Sections outside any step's work: a step that had only these is no first step done in its generation.
+_NOT_WORK = frozenset(section_code(s) for s in (Section.STARTUP, Section.RECOVERY, Section.LOAD))
 
 
 def progress_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -107,6 +110,8 @@ class ProgressSnapshot:
     counter: int
     step: int
     section: str
+    generation: int  # what the writer said with ``enter`` (0 if it never said)
+    first_step: bool  # in its first step of that generation
     last_progress_s: float  # monotonic seconds of the last ``enter``
     started_s: float
     steps_done: int
@@ -125,6 +130,14 @@ class ProgressReporter:
     (the next section is "recovery") is not an observation of its duration:
     a rank waiting on a hung peer would otherwise teach the hang detector that
     the all-reduce may take as long as the hang did.
+
+    ``enter(..., generation=g)`` says which generation the rank is in (or,
+    recovering, heading to). From a change of generation until the rank
+    completes a step of work in it, the slot says "first step": a
+    replacement's first step runs on cold caches, and a survivor's waits in
+    its collectives for peers still healing, so the hang detector gives that
+    step the timeout of a section never observed, and its sections are not
+    observations of their durations either.
 
     With ``cuda_device``, a timed step's every ``enter`` also records a CUDA
     event, and its entry gets per-section device times once its events
@@ -163,6 +176,7 @@ class ProgressReporter:
         self._step_t = now
         self._steps_done = 0
         self._flags = 0
+        self._generation = 0
         self._seq = 0
         self._acc = [0] * NSECT
         self._stats = [0] * (3 * NSECT)
@@ -171,7 +185,7 @@ class ProgressReporter:
 
     def _write_header(self) -> None:
         _store(self._mm, 0, _HEADER, MAGIC, VERSION, self._pid, self._flags, self._seq, self._counter,
-               self._step, self._code, 0, self._t, self._start, self._steps_done)
+               self._step, self._code, self._generation, self._t, self._start, self._steps_done)
 
     def _begin(self) -> None:
         """Opens an update: an odd sequence number tells readers to retry."""
@@ -183,12 +197,13 @@ class ProgressReporter:
         self._seq += 1
         _store(self._mm, _SEQ_OFF, _U64, self._seq)
 
-    def enter(self, section: str | Section, step: int) -> None:
+    def enter(self, section: str | Section, step: int, *, generation: int | None = None) -> None:
         now = time.monotonic_ns()
         code = section_code(section)
         prev = self._code
         boundary = step != self._step
         completed = boundary and step > self._step >= 0
+        first = self._flags & FLAG_FIRST_STEP
         # CUDA calls first, outside the update: if one raises, the slot stays consistent.
         clock = self._clock
         device, ready = DEVICE_NONE, ()
@@ -201,7 +216,7 @@ class ProgressReporter:
         dt = now - self._t
         self._acc[prev] += dt
         st = self._stats
-        if code != _RECOVERY:
+        if code != _RECOVERY and not first:
             st[3 * prev] += 1
             st[3 * prev + 1] += dt
             if dt > st[3 * prev + 2]:
@@ -213,11 +228,16 @@ class ProgressReporter:
                 _store(mm, _entry_offset(self._steps_done), _ENTRY, self._step, now, now - self._step_t, device,
                        *self._acc, *_NO_DEVICE)
                 self._steps_done += 1
+                if prev not in _NOT_WORK:
+                    self._flags &= ~FLAG_FIRST_STEP
             self._acc = [0] * NSECT
             self._step_t = now
             self._step = step
             if clock is not None:
                 self._write_device_times(ready, clock.take_dropped())
+        if generation is not None and generation != self._generation:
+            self._generation = generation
+            self._flags |= FLAG_FIRST_STEP
         self._code = code
         self._t = now
         self._counter += 1
@@ -361,13 +381,14 @@ def _entry_offset(index: int) -> int:
 
 
 def _parse(rank: int, ino: int, raw: bytes) -> ProgressSnapshot | None:
-    magic, version, pid, flags, _seq, counter, step, code, _pad, t, start, done = _HEADER.unpack_from(raw, 0)
+    magic, version, pid, flags, _seq, counter, step, code, generation, t, start, done = _HEADER.unpack_from(raw, 0)
     if magic != MAGIC or version != VERSION:
         return None
     stats = _STATS.unpack_from(raw, _STATS_OFF)
     return ProgressSnapshot(
         rank=rank, pid=pid, identity=(ino, pid, start), closed=bool(flags & FLAG_CLOSED),
         counter=counter, step=step, section=SECTIONS[code] if 0 <= code < NSECT else "startup",
+        generation=generation, first_step=bool(flags & FLAG_FIRST_STEP),
         last_progress_s=t / 1e9, started_s=start / 1e9, steps_done=done,
         section_count={s: stats[3 * i] for i, s in enumerate(SECTIONS)},
         section_total_s={s: stats[3 * i + 1] / 1e9 for i, s in enumerate(SECTIONS)},

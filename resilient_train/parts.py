@@ -121,11 +121,14 @@ _SECTION_OF = {Phase.HEAL.value: "recovery", Phase.RENDEZVOUS.value: "recovery"}
 class ProgressPart(Part):
     """The progress slot the agent's hang and straggler monitors read (main thread only)."""
 
-    def __init__(self, reporter: ProgressReporter) -> None:
+    def __init__(self, reporter: ProgressReporter, generation: Callable[[], int] = lambda: 0) -> None:
         self.reporter = reporter
+        # The generation the rank is in, or heading to once it left one: the hang detector tells a peer
+        # still restoring into this rank's generation from one that went on to the next.
+        self._generation = generation
 
     def on_phase(self, phase: str, step: int) -> None:
-        self.reporter.enter(_SECTION_OF.get(phase, phase), step)
+        self.reporter.enter(_SECTION_OF.get(phase, phase), step, generation=self._generation())
 
     def close(self) -> None:
         self.reporter.close()

@@ -84,7 +84,9 @@ class Supervisor:
         self.events = EventLog(self.run_dir / "events.jsonl" if self.run_dir else None, source=f"rank{self.env.rank}")
         self.lifecycle = Lifecycle()
         self.generation = -1
+        self._progress_generation = -1  # the generation the rank is in, or heading to once it left one
         self.group: dist.ProcessGroup | None = None
+        self._retired: list[list[dist.ProcessGroup]] = []  # failed groups still held by the script (_release_group)
         self._ddps: list[tuple[ReplicatedModule, GradientReducer | None]] = []
         self._added: list[Part] = []  # add_part(): before the built-in parts, so they see a generation first
         self._sharded: ShardedModule | None = None
@@ -194,6 +196,7 @@ class Supervisor:
             self._watcher.close()
             self.stepper.close()
             self._release_group()
+            self._release_retired()
             if self.disk is not None and self.parts.of(DiskPart) is None:
                 self.disk.close()  # the preemption-only checkpoints
             join_releases(_RELEASE_AT_EXIT_S)
@@ -231,7 +234,8 @@ class Supervisor:
         if self.run_dir is not None:
             # Written by the main thread only, at every phase change: the agent's hang detector reads it.
             parts.append(ProgressPart(ProgressReporter(
-                self.run_dir, rank, cuda_device=self.device if self.device.type == "cuda" else None)))
+                self.run_dir, rank, cuda_device=self.device if self.device.type == "cuda" else None),
+                generation=lambda: self._progress_generation))
         if c.cupti is not None:
             parts.append(CuptiPart(c.cupti, self.events))
         self.disk = self._disk_checkpoints(c.checkpoint) if c.checkpoint is not None else None
@@ -299,7 +303,7 @@ class Supervisor:
         plan = enter_generation(self.store, world_size=self.env.world_size, me=me,
                                 timeout=self.config.join_timeout_s, stopped=self._raise_if_stopped, moved_to=moved_to)
         self._say_woken_detection(plan)
-        self.generation = plan.generation
+        self.generation = self._progress_generation = plan.generation
         self._watcher.watch(plan.generation)
         self._enter(Phase.RENDEZVOUS.value, plan.step if plan.step is not None else self.state.step)
         self.group = build_group(self.store, plan.generation, rank=self.env.rank, world_size=self.env.world_size,
@@ -329,6 +333,7 @@ class Supervisor:
             # earlier generation is a misuse (the search walks the heap: only where it can find something).
             adopt_user_ddp(state.model, self.group, lambda: self.stepper.new_reducer(state.model.parameters()),  # type: ignore[arg-type]
                            plan.generation)
+        self._release_retired()  # the script's DDPs of earlier generations are gone now (or a misuse was raised)
         self.parts.on_restored(state)
         self._timings["heal_s"] = time.monotonic() - t0
         self._report_recovery(plan)
@@ -485,7 +490,21 @@ class Supervisor:
             holders = sorted({type(r).__name__ for r in gc.get_referrers(box[0])} - {"list", "frame"})
             self.events.emit("group_still_referenced", rank=self.env.rank, generation=self.generation,
                              holders=holders)
+            if self.lifecycle.state is _S.RECOVERING:
+                # The box keeps the group alive until the script's next on_new_group has replaced its DDP.
+                # Otherwise the DDP's reducer would hold the last reference, and the script dropping it would
+                # run the group's destructor on the main thread with the GIL held: it joins gloo's worker
+                # threads, and one still in a collective of the failed step waits for the GIL to run that
+                # collective's Python callback: a deadlock (seen at 3 ranks, rank killed at the vote).
+                self._retired.append(box)
+                return
         release_in_background(box)
+
+    def _release_retired(self) -> None:
+        """Drops the failed groups held past their generation, on daemon threads (see _release_group)."""
+        retired, self._retired = self._retired, []
+        for box in retired:
+            release_in_background(box)
 
     def _rebuild_ddp(self, *, first: bool) -> None:
         for i, (wrapped, reducer) in enumerate(self._ddps):
@@ -554,9 +573,10 @@ class Supervisor:
     def _recover(self) -> SupervisorState:
         assert self._failure is not None
         kind, message, failure = self._failure
+        g = self.generation
+        self._progress_generation = g + 1  # it left g: what it does from now on belongs to a later one
         self._enter("recovery", self.ctx.step)
         t_detect = time.time()
-        g = self.generation
         first, cause, self._moved_to = leave_generation(
             self.store, g, {"rank": self.env.rank, "kind": kind, "time": t_detect, "step": self.ctx.step,
                             "phase": self.ctx.phase.value, **failure.to_dict()},
@@ -591,12 +611,15 @@ class Supervisor:
             return  # a fresh start, not a recovery
         t = self._timings
         fault_time = t.get("fault_time", float((plan.cause or {}).get("time", t["t_detect"])))
+        # Where the state stands now, whatever restored it: a live replica, a host snapshot or a buddy copy
+        # (plan.step), or the checkpoint all ranks agreed to load (plan.step is None for a disk resume).
+        resume = self.state.step
         self.events.emit(
-            "recovery_done", rank=self.env.rank, generation=plan.generation, resume_step=plan.step,
+            "recovery_done", rank=self.env.rank, generation=plan.generation, resume_step=resume,
             resume_from=plan.source.value, replacements=plan.replacements, healed=plan.healed,
             detect_s=max(0.0, t["t_detect"] - fault_time),
             abort_s=t["abort_s"], rendezvous_s=t["rendezvous_s"], heal_s=t["heal_s"],
-            steps_redone=max(0, int(t["fault_step"]) - (plan.step or 0)),
+            steps_redone=max(0, int(t["fault_step"]) - resume),
         )
         self._timings = {}
 

@@ -16,6 +16,7 @@ from monitor_workers import gloo_rank, train_loop
 
 from monitors.hang import IMPOSSIBLE_READS_BEFORE_JUDGING, Hang, HangConfig, HangDetector
 from monitors.progress import ProgressReader
+from monitors.stacks import is_stopped
 
 TIMEOUT = 1.0
 
@@ -241,14 +242,134 @@ def test_ranks_waiting_in_recovery_are_not_killed_for_a_peer_stuck_in_an_old_col
     run = str(tmp_path)
     writers = [ProgressReporter(run, r) for r in range(3)]
     for w in writers:
-        w.enter("forward", 7)
-    writers[0].enter("recovery", 7)
-    writers[1].enter("recovery", 7)
-    writers[2].enter("all-reduce", 7)
+        w.enter("forward", 7, generation=0)
+    writers[0].enter("recovery", 7, generation=1)  # it left generation 0: heading to the next
+    writers[1].enter("recovery", 7, generation=1)
+    writers[2].enter("all-reduce", 7, generation=0)
     det = HangDetector(HangConfig(computed=False, default_timeout=1.0, long_section_timeout=1.0), run, range(3))
     later = max(_frozen_since(run, r) for r in range(3)) + 5.0
     hangs = {h.rank: h for h in det.poll(later)}
     assert hangs[2].waiting_on == () and hangs[0].waiting_on == (2,) and hangs[1].waiting_on == (2,)
     assert ranks_to_kill(list(hangs.values()), det.config.collective_sections) == [2]
     for w in writers:
+        w.close()
+
+
+def _steady(writer: "ProgressReporter", generation: int, steps: range) -> None:
+    """Whole steps of work in ``generation`` (the first one of a generation is its "first step")."""
+    for step in steps:
+        for section in ("data", "forward", "backward", "all-reduce", "optimizer"):
+            writer.enter(section, step, generation=generation)
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_training_is_not_killed_while_a_peer_still_restores_into_its_generation(tmp_path) -> None:
+    """Rank 1 still heals (or rebuilds its DDP) in generation 1 while rank 0 already waits in generation 1's
+    all-reduce: rank 0 waits on rank 1, which has the recovery timeout. (Seen: the survivor blocked in its
+    on_new_group and the two others killed as hung in all-reduce, 3 s later.)"""
+    from monitors.hang import ranks_to_kill
+    from monitors.progress import ProgressReporter
+
+    run = str(tmp_path)
+    writers = [ProgressReporter(run, r) for r in range(2)]
+    for w in writers:
+        _steady(w, 0, range(12))
+        w.enter("recovery", 12, generation=1)
+    writers[0].enter("data", 12, generation=1)
+    writers[0].enter("all-reduce", 12, generation=1)
+    writers[1].enter("recovery", 12, generation=1)  # healing
+    det = HangDetector(HangConfig(min_observations=10, min_timeout=0.1, default_timeout=1.0,
+                                  long_section_timeout=60.0), run, range(2))
+    later = max(_frozen_since(run, r) for r in range(2)) + 5.0
+    hangs = det.poll(later)
+    assert [(h.rank, h.waiting_on) for h in hangs] == [(0, (1,))]
+    assert ranks_to_kill(hangs, det.config.collective_sections) == []
+    for w in writers:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_collective_is_timed_from_its_last_local_arrival(tmp_path) -> None:
+    """Rank 1 was slow (its first step after a recovery, a straggler): rank 0 waited in the all-reduce
+    meanwhile. When rank 1 arrives, neither is hung until the all-reduce has had both for its timeout."""
+    from monitors.progress import ProgressReporter
+
+    run = str(tmp_path)
+    writers = [ProgressReporter(run, r) for r in range(2)]
+    det = HangDetector(HangConfig(min_observations=10, min_timeout=0.2, safety_factor=1e-9), run, range(2))
+    for w in writers:
+        _steady(w, 0, range(12))
+    writers[0].enter("all-reduce", 12, generation=0)
+    time.sleep(0.3)
+    writers[1].enter("all-reduce", 12, generation=0)
+    arrived = _frozen_since(run, 1)
+    assert _frozen_since(run, 0) < arrived - 0.25
+    assert det.poll(arrived + 0.15) == []  # rank 0 has waited 0.45 s, but for 0.15 s with rank 1 there
+    assert det.timeout("all-reduce") == 0.2
+    hangs = det.poll(arrived + 0.25)
+    assert sorted(h.rank for h in hangs) == [0, 1] and all(h.since_progress_s == pytest.approx(0.25) for h in hangs)
+    for w in writers:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_first_step_of_a_generation_is_timed_as_an_unobserved_section(tmp_path) -> None:
+    """A replacement's first step (cold caches) and a survivor's first collective after a recovery get
+    ``default_timeout``, not the computed one; the step after it is timed as usual, and the first step's
+    sections are not observations of their durations."""
+    from monitors.progress import ProgressReporter
+
+    run = str(tmp_path)
+    w = ProgressReporter(run, 0)
+    _steady(w, 0, range(12))
+    w.enter("data", 12, generation=0)  # step 11 done: past generation 0's first step
+    reader = ProgressReader(run, 0)
+    assert not reader.read().first_step
+    counted = reader.read().section_count["backward"]
+    w.enter("recovery", 12, generation=1)
+    w.enter("recovery", 12, generation=1)  # the rendezvous, the heal
+    snap = reader.read()
+    assert snap.first_step and snap.generation == 1
+    w.enter("data", 12, generation=1)
+    w.enter("forward", 12, generation=1)
+    w.enter("backward", 12, generation=1)
+    cfg = HangConfig(min_observations=10, min_timeout=0.1, safety_factor=1e-9, default_timeout=2.0)
+    det = HangDetector(cfg, run, [0])
+    since = _frozen_since(run, 0)
+    assert det.poll(since + 1.0) == []  # computed: 0.1 s; the first step: 2 s
+    assert [h.timeout_s for h in det.poll(since + 2.5)] == [2.0]
+    w.enter("all-reduce", 12, generation=1)
+    w.enter("optimizer", 12, generation=1)
+    w.enter("data", 13, generation=1)  # step 12 done: the first step of generation 1
+    snap = reader.read()
+    assert not snap.first_step and snap.section_count["backward"] == counted
+    w.enter("forward", 13, generation=1)
+    w.enter("backward", 13, generation=1)
+    assert [h.timeout_s for h in det.poll(_frozen_since(run, 0) + 0.2)] == [0.1]
+    w.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_inside_a_collective_is_the_one_killed(tmp_path, procs: Procs) -> None:
+    """Rank 1 stops (SIGSTOP) inside step 3's all-reduce, then ranks 0 and 2 enter it: all three show the
+    same collective; only the stopped process is killed."""
+    from monitors.hang import ranks_to_kill
+    from monitors.progress import ProgressReporter
+
+    run = str(tmp_path)
+    p = procs.start(train_loop, run, 1, {"hang_at": 3, "hang": "self-stop", "hang_section": "all-reduce"})
+    reader = ProgressReader(run, 1)
+    wait_for(lambda: (s := reader.read()) is not None and (s.section, s.step) == ("all-reduce", 3), 30.0,
+             "rank 1 in step 3's all-reduce", alive=[p])
+    wait_for(lambda: is_stopped(p.pid), 10.0, "rank 1 stopped")
+    writers = {r: ProgressReporter(run, r) for r in (0, 2)}
+    for w in writers.values():
+        w.enter("all-reduce", 3)
+    det = HangDetector(HangConfig(computed=False, default_timeout=0.5), run, range(3))
+    hangs = det.poll(max(_frozen_since(run, r) for r in range(3)) + 1.0)
+    assert sorted((h.rank, h.section, h.step, h.waiting_on, h.stopped) for h in hangs) == [
+        (0, "all-reduce", 3, (), False), (1, "all-reduce", 3, (), True), (2, "all-reduce", 3, (), False)]
+    assert ranks_to_kill(hangs, det.config.collective_sections) == [1]
+    os.kill(p.pid, signal.SIGKILL)
+    for w in writers.values():
         w.close()

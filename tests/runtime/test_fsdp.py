@@ -126,6 +126,10 @@ def test_buddy_refresh_every_k_steps_rolls_back_and_replays(tmp_path, tmp_path_f
     assert job.returncode == 0, job.stderr[-3000:]
     done = job.of("recovery_done")
     assert done and done[-1]["resume_step"] == 6, done
+    # Rank 0 survived; each step it did again it reported done twice.
+    reported = [e["step"] for e in job.of("step_done")]
+    redone = len(reported) - len(set(reported))
+    assert redone >= 2 and [(e["rank"], e["resume_from"], e["steps_redone"]) for e in done] == [(0, "live", redone)]
     ref = fault_free(tmp_path_factory, 2, 10, extra=("--buddy-every", "3"))
     d = ckpt_diff(ref.run_dir / "final", job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
@@ -215,6 +219,10 @@ def test_four_ranks_lose_a_rank_and_its_buddy_holder_at_once(tmp_path, tmp_path_
     resumed = job.of("resumed_from_disk")
     assert sorted(e["rank"] for e in resumed) == [0, 1, 2, 3] and {e["step"] for e in resumed} == {4}, resumed
     survivors_kept_pids(job, killed={0, 1, 2})
+    # Rank 3 survived at the boundary of step 5 and loaded step 4's checkpoint: one step redone (it said 5,
+    # counting from step 0, when a disk resume had no resume step).
+    done = [e for e in job.of("recovery_done") if e["rank"] == 3]
+    assert done and (done[-1]["resume_from"], done[-1]["resume_step"], done[-1]["steps_redone"]) == ("disk", 4, 1)
     d = ckpt_diff(fault_free(tmp_path_factory, 4, 8, extra=extra).run_dir / "final", job.run_dir / "final")
     assert d.returncode == 0, f"final state differs from the fault-free run: {d.stdout}{d.stderr}"
 

@@ -54,6 +54,10 @@ def test_exception_in_step_recovers_in_process(tmp_path, references, nproc):
     assert not [e for e in job.of("worker_spawned") if e["replacement"]], "no process should have been replaced"
     done = job.of("recovery_done")
     assert {e["generation"] for e in done} == {1, 2}
+    # From live replicas, nothing redone: step 2's forward raised before any vote (every rank resumes at 2);
+    # step 6's optimizer phase raised after the reduction, which the peer went on to commit (resume at 7).
+    assert {(e["generation"], e["resume_from"], e["resume_step"], e["steps_redone"]) for e in done} == {
+        (1, "live", 2, 0), (2, "live", 7, 0)}, done
 
 
 @pytest.mark.timeout(240)
