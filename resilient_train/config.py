@@ -9,7 +9,7 @@ from checkpointing import CheckpointConfig
 from monitors.cupti_kernels import CuptiConfig
 from resilient_train import env as envvars
 from resilient_train.preempt import PreemptionConfig
-from resilient_train.reducer import DEFAULT_CHUNK_MB
+from resilient_train.reducer import DEFAULT_BUCKET_MB
 from resilient_train.rerun import RerunConfig
 
 __all__ = ["SupervisorConfig"]
@@ -28,7 +28,9 @@ class SupervisorConfig:
     snapshot_every: int | None = None  # a host snapshot every k steps (off: live replicas are the redundancy)
     # sup.sharded: a shard no other rank holds (pure FSDP or TP) is copied to a buddy every k steps
     buddy_every: int = 1
-    chunk_mb: float = DEFAULT_CHUNK_MB  # the gradient reduction's chunk size (fixed for the run)
+    chunk_mb: float = DEFAULT_BUCKET_MB  # the gradient reduction's bucket size (DDP's bucket_cap_mb; fixed for the run)
+    # The collectives of world > 1 at a world of one too (the reduction, the vote): to measure that path on one GPU
+    force_reduction: bool = field(default_factory=lambda: os.environ.get(envvars.RT_FORCE_REDUCTION) == "1")
     write_final: bool = True
     checkpoint: CheckpointConfig | None = None  # disk checkpoints (see resilient_train.disk)
     watch_interval_s: float = 0.05

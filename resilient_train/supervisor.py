@@ -250,6 +250,7 @@ class Supervisor:
         self.stepper = Stepper(state=state, ctx=self.ctx, parts=self.parts, rerun=self.rerun, slots=self.slots,
                                events=self.events, world_size=self.env.world_size, device=self.device,
                                chunk_mb=c.chunk_mb, group=lambda: self.group, stop=self.preemption.flag,
+                               force_reduction=c.force_reduction,
                                moved=lambda: self._watcher.moved.is_set(),
                                training=lambda: self.lifecycle.state is _S.TRAINING)
         if self.env.replacement:
@@ -459,7 +460,8 @@ class Supervisor:
     def _rebuild_ddp(self, *, first: bool) -> None:
         for i, (wrapped, reducer) in enumerate(self._ddps):
             if reducer is None:
-                reducer = self.stepper.new_reducer(wrapped.module.parameters())
+                reducer = self.stepper.new_reducer(wrapped.module.parameters(),
+                                                   bucket_mb=wrapped.bucket_mb(self.config.chunk_mb))
                 self._ddps[i] = (wrapped, reducer)
             assert self.group is not None
             wrapped.rebuild(self.group, reducer, first=first)
