@@ -143,7 +143,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
                     continue  # one final state is enough: its write is what is measured
                 block = Block(args.warmup, args.steps, sync)
                 total = args.warmup + args.steps + 1
-                _hwm_reset()
+                if not args.process_peak:
+                    _hwm_reset()
                 extra: dict[str, Any] = {}
                 if variant == "plain":
                     kwargs = {"device_id": device} if cuda else {}
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     p.add_argument("--autocast", choices=["none", "bf16"], default="none", help="forward under bf16 autocast")
+    p.add_argument("--process-peak", action="store_true",
+                   help="never reset the peak: the host peak is the whole process's, start-up included (run one "
+                        "variant per process to compare whole runs)")
     p.add_argument("--force-reduction", action="store_true",
                    help="the supervised variants take the world>1 path (hook, plan, vote all-reduce) at one rank too")
     p.add_argument("--item-every", type=int, default=0,

@@ -29,7 +29,7 @@ from checkpointing.tree import flatten_state, skeleton_keys, unflatten_state
 
 __all__ = ["LOCAL_PREFIX", "PIECE_MB", "RANKS_KEY", "local_prefix", "read_state", "read_verified", "write_state"]
 
-PIECE_MB = 256.0  # host memory a streaming write holds at once (a larger tensor goes alone)
+PIECE_MB = 128.0  # host memory a streaming write holds at once (a larger tensor goes alone)
 
 LOCAL_PREFIX = "__rank"
 RANKS_KEY = "__ranks__"
