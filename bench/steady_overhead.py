@@ -177,6 +177,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
                     if reducer is not None:
                         extra["copied_buckets"] = reducer.copied_buckets
                         extra["buckets"] = len(reducer.plan)
+                        extra["native"] = reducer.native
                     if variant == "final":
                         extra["final_s"] = end - block.t1  # the last step, then the final state streamed to disk
                     if sup.snapshot is not None and cuda:
@@ -215,7 +216,8 @@ def summarize(data: dict[str, Any]) -> str:
                 notes = f"final state written in {rs[0]['final_s']:.1f} s (host peak includes it)"
             if "buckets" in rs[0]:
                 copied = sum(r.get("copied_buckets", 0) for r in rs)
-                notes += ("; " if notes else "") + (f"{rs[0]['buckets']} buckets, none copied" if not copied
+                how = "reduced by DDP itself, no hook" if rs[0].get("native") else "through the hook"
+                notes += ("; " if notes else "") + (f"{rs[0]['buckets']} buckets {how}, none copied" if not copied
                                                     else f"{copied} DDP buckets copied into the plan")
             ratio = f"{step / base:.3f}x" if base else "-"
             mratio = f"{mem / base_mem:.2f}x" if base_mem else "-"

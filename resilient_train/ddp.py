@@ -14,6 +14,8 @@ buckets by the order gradients became ready (which DDP otherwise does after
 its first iteration, in every generation again). The hook then reduces each
 bucket's own buffer in place: no copy, the same bits in every generation, and
 the same as ``ctx.average_gradients()``; communication still overlaps backward.
+On NCCL (unless a part looks at the gradients) DDP reduces the plan's buckets
+itself, with no hook (:meth:`GradientReducer.can_go_native`).
 
 A script that builds DDP itself in ``on_new_group`` works too: the
 supervisor finds that DDP and registers the same hook, which copies its
@@ -91,14 +93,18 @@ class ReplicatedModule(torch.nn.Module):
         """Builds DDP on ``group``; only the first generation syncs the module from rank 0 (later ones heal)."""
         self.drop()  # the last generation's DDP goes first: it holds the old group
         kwargs = dict(self._kwargs)
-        # The gradients are views of DDP's buckets: DDP does not copy the reduced buckets back into them.
-        kwargs.setdefault("gradient_as_bucket_view", True)
+        # NCCL: DDP reduces the plan's buckets itself, as a plain DDP loop would. Its gradients are then not
+        # views of its buckets: with views, DDP divides a gradient in place in some steps and while copying
+        # it in others (after a recovery dropped the gradients), which are not the same bits.
+        native = reducer.can_go_native(group) and not kwargs.get("gradient_as_bucket_view", False)
+        # Through the hook: the gradients are views of DDP's buckets, which DDP then does not copy back.
+        kwargs.setdefault("gradient_as_bucket_view", not native)
         kwargs["bucket_cap_mb"] = reducer.plan.bucket_mb  # the plan's cut (first bucket included)
         if not first:
             kwargs.setdefault("init_sync", False)
         ddp = PlannedDDP(self.module, process_group=group, **kwargs)
         fix_buckets(ddp)
-        reducer.register(ddp, planned=True)
+        reducer.register(ddp, planned=True, native=native)
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: state_dict() stays the model's
 
     def bucket_mb(self, default: float) -> float:

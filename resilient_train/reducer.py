@@ -26,8 +26,11 @@ the rank published the rank-local state of the next step boundary
 reject the step, 0.0 to abstain; ``world_size`` in the sum means every rank
 contributed all its gradients and agreed, so the optimizer may step.
 
-At a world of one nothing is reduced or copied, unless ``force`` asks for the
-collectives of a larger world anyway (benchmarks measure that path on one GPU).
+On NCCL, with no part looking at the gradients, the DDP reduces the plan's
+buckets itself, with no hook (:meth:`GradientReducer.can_go_native`), and the
+vote goes out at the commit. At a world of one nothing is reduced or copied,
+unless ``force`` asks for the collectives of a larger world anyway (benchmarks
+measure that path on one GPU).
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ class GradientReducer:
         self._flat: list[torch.Tensor] | None = None  # the copy path's buffers, one per bucket (made on first use)
         self._votes: torch.Tensor | None = None
         self._planned = False  # the registered DDP's buckets are the plan (checked once per bucket)
+        self.native = False  # the registered DDP reduces its buckets itself (NCCL): no hook, the gate's vote
         self._checked: dict[int, bool] = {}
         self.copied_buckets = 0  # DDP buckets that took the copy path, all steps together
         self.reset()
@@ -207,17 +211,35 @@ class GradientReducer:
             torch._foreach_copy_([p.grad for p in P.params(b)], P.views(flats[b], b))  # type: ignore[misc]
 
     # --------------------------------------------------------------- DDP hook
-    def register(self, ddp: torch.nn.parallel.DistributedDataParallel, *, planned: bool = False) -> None:
+    def can_go_native(self, group: dist.ProcessGroup) -> bool:
+        """Whether a DDP with this plan's buckets on ``group`` may reduce them itself, with no hook.
+
+        On NCCL, DDP's own C++ reduction of the plan's buckets gives the bits of
+        this reducer's (it multiplies each gradient by 1/world while copying it
+        into its bucket, then sums; :meth:`_all_reduce` does the same) without a
+        Python call per bucket, and a dead peer's collective is aborted through
+        the communicator. The vote then goes out at the commit, after backward
+        (the gate's own two-element all-reduce). Not on gloo, whose collectives
+        cannot be aborted: the hook's futures are what release a rank left in
+        one. Not when a part looks at the gradients before they are reduced.
+        """
+        return self.hooks.before_chunk is None and dist.get_backend(group) == "nccl"
+
+    def register(self, ddp: torch.nn.parallel.DistributedDataParallel, *, planned: bool = False,
+                 native: bool = False) -> None:
         """Makes this reducer ``ddp``'s communication hook.
 
         ``planned``: ``ddp`` was built with this plan's buckets, final from its
         construction on (:mod:`resilient_train.ddp`), so each bucket is reduced
         in place once it is found to hold the plan's parameters. Any other DDP
         (it regroups its buckets after its first iteration) takes the copy path.
+        ``native`` (with ``planned``, where :meth:`can_go_native`): no hook at all.
         """
         self._planned = planned
         self._checked = {}
-        ddp.register_comm_hook(self, _ddp_hook)
+        self.native = planned and native
+        if not self.native:
+            ddp.register_comm_hook(self, _ddp_hook)
 
     def _is_planned(self, bucket: dist.GradBucket) -> bool:
         b = bucket.index()
@@ -318,6 +340,8 @@ class GradientReducer:
     def _all_reduce(self, tensor: torch.Tensor, done: torch.futures.Future, *, average: bool) -> None:
         nccl, world = self._nccl, self._world
         divide = average and not nccl and world > 1
+        if average and nccl:
+            tensor.mul_(1.0 / world)  # as DDP's own reduction does: the same bits with or without the hook
 
         def finish(f: torch.futures.Future) -> None:
             try:
@@ -335,8 +359,7 @@ class GradientReducer:
             # could each wait in one for the other until the group's timeout. Waiting here raises the
             # first failure in this rank's backward, with nothing left pending.
             self._in_flight.wait()
-        op = dist.ReduceOp.AVG if average and nccl else dist.ReduceOp.SUM  # gloo has no AVG: divided after
-        work = dist.all_reduce(tensor, op=op, group=self.hooks.group(), async_op=True)
+        work = dist.all_reduce(tensor, group=self.hooks.group(), async_op=True)  # a sum (gloo: divided after)
         self._in_flight = work
         work.get_future().then(finish)
 
