@@ -150,7 +150,7 @@ def find_ddp(module: torch.nn.Module) -> list[DDP]:
 
 def adopt_user_ddp(module: torch.nn.Module, group: dist.ProcessGroup, make_reducer: Callable[[], GradientReducer],
                    generation: int) -> int:
-    """Checks the DDPs a script built itself around ``module``; gives the current ones the fixed-layout hook.
+    """Checks the DDPs a script built itself around ``module``; gives the current ones the plan's hook (the copy path).
 
     Returns how many were adopted. Raises :class:`UsageError` for a DDP of an
     earlier generation (built once, outside ``on_new_group``).

@@ -102,9 +102,9 @@ class Supervisor:
     def ddp(self, model: torch.nn.Module, **ddp_kwargs: Any) -> ReplicatedModule:
         """``model`` data-parallel: call what this returns as you would a DDP model.
 
-        DDP is built again on every generation's group, with the supervisor's
-        fixed-layout reduction as its communication hook (bitwise across
-        recoveries, overlapping backward). ``ddp_kwargs`` go to DDP.
+        DDP is built again on every generation's group, its buckets the
+        supervisor's fixed plan (bitwise across recoveries, overlapping
+        backward, nothing copied). ``ddp_kwargs`` go to DDP.
         """
         wrapped = ReplicatedModule(model, ddp_kwargs, phase=lambda name: self.stepper.auto_phase(name))
         self._ddps.append((wrapped, None))
@@ -310,7 +310,7 @@ class Supervisor:
         self._rebuild_ddp(first=plan.source is ResumeSource.START)
         if self._on_new_group is not None:
             self._on_new_group()
-            # A DDP the script builds itself is built here: it gets the fixed-layout hook, and one kept from an
+            # A DDP the script builds itself is built here: it gets the plan's hook, and one kept from an
             # earlier generation is a misuse (the search walks the heap: only where it can find something).
             adopt_user_ddp(state.model, self.group, lambda: self.stepper.new_reducer(state.model.parameters()),  # type: ignore[arg-type]
                            plan.generation)
