@@ -35,6 +35,8 @@ measure that path on one GPU).
 
 from __future__ import annotations
 
+import collections
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -125,6 +127,7 @@ class GradientReducer:
         self.native = False  # the registered DDP reduces its buckets itself (NCCL): no hook, the gate's vote
         self._checked: dict[int, bool] = {}
         self.copied_buckets = 0  # DDP buckets that took the copy path, all steps together
+        self._lock = threading.Lock()  # the gloo chain's state, shared with gloo's thread
         self.reset()
 
     # ------------------------------------------------------------ per step
@@ -135,7 +138,13 @@ class GradientReducer:
         self._arrived = [0] * n
         self._next = 0  # buckets go out in plan order: the same sequence of collectives on every rank
         self._done: list[torch.futures.Future] | None = None  # one per bucket, then the vote's
-        self._in_flight: Any = None  # the last gloo work launched (see _all_reduce)
+        with self._lock:
+            # gloo's chain of reductions (see _all_reduce); a new epoch each step, so a late callback of an
+            # abandoned step never launches anything of the next one
+            self._epoch = getattr(self, "_epoch", 0) + 1
+            self._queue: collections.deque = collections.deque()
+            self._busy = False
+            self._stopped = False
         self._sums: list[float] | None = None
         self._world, self._nccl = 1, False  # the group's, read when the step's first bucket goes out
         self.reduced = False  # the vote went out this step
@@ -150,13 +159,16 @@ class GradientReducer:
         self._votes = None
 
     def abort(self, error: Exception) -> None:
-        """Fails every bucket of this step not reduced yet, from any thread.
+        """Fails every bucket of this step not reduced yet, and launches none of them, from any thread.
 
         gloo cannot abort a collective: a rank left in one by peers that went on
         to the next generation would wait in DDP's end of backward until the
         group's timeout. Failing the buckets' futures releases it at once (the
         collective itself ends in gloo's thread when its peers' connections go).
         """
+        with self._lock:
+            self._stopped = True
+            self._queue.clear()
         for fut in self._done or []:
             _settle(fut, error=error)
 
@@ -338,30 +350,64 @@ class GradientReducer:
         self._all_reduce(self._votes, self._done[-1], average=False)
 
     def _all_reduce(self, tensor: torch.Tensor, done: torch.futures.Future, *, average: bool) -> None:
-        nccl, world = self._nccl, self._world
-        divide = average and not nccl and world > 1
-        if average and nccl:
-            tensor.mul_(1.0 / world)  # as DDP's own reduction does: the same bits with or without the hook
-
-        def finish(f: torch.futures.Future) -> None:
-            try:
-                f.value()  # raises the reduction's error, if any
-            except Exception as e:  # noqa: BLE001  (handed to whoever waits on the bucket)
-                _settle(done, error=e)
+        """Sums ``tensor`` across the group (averaged if ``average``); ``done`` gets it, or the error."""
+        group, world = self.hooks.group(), self._world
+        if self._nccl:
+            if average:
+                tensor.mul_(1.0 / world)  # as DDP's own reduction does: the same bits with or without the hook
+            work = dist.all_reduce(tensor, group=group, async_op=True)
+            work.get_future().then(lambda f: self._finished(f, tensor, done, divide=False, epoch=None))
+            return
+        # gloo: one reduction in flight at a time, each launched when the one before it ended (from gloo's
+        # thread), so no thread of this rank ever waits on a gloo collective itself: a failed one cannot be
+        # aborted, but the futures that wait for it can (abort()). With several in flight, two ranks could
+        # each wait in one for the other until the group's timeout; a group whose worker threads still run
+        # one cannot be torn down.
+        with self._lock:
+            self._queue.append((tensor, done, average and world > 1, group))
+            if self._busy:
                 return
-            if divide:
-                tensor.div_(world)
-            _settle(done, result=tensor)
+            self._busy = True
+        self._launch_next(self._epoch)
 
-        if not nccl and self._in_flight is not None:
-            # gloo: one reduction in flight at a time. A failed collective cannot be aborted, and a group
-            # whose worker threads still run one cannot be torn down: with several in flight, two ranks
-            # could each wait in one for the other until the group's timeout. Waiting here raises the
-            # first failure in this rank's backward, with nothing left pending.
-            self._in_flight.wait()
-        work = dist.all_reduce(tensor, group=self.hooks.group(), async_op=True)  # a sum (gloo: divided after)
-        self._in_flight = work
-        work.get_future().then(finish)
+    def _launch_next(self, epoch: int) -> None:
+        with self._lock:
+            if epoch != self._epoch:
+                return  # a step abandoned: its chain ends here
+            if self._stopped or not self._queue:
+                self._busy = False
+                return
+            tensor, done, divide, group = self._queue.popleft()
+        try:
+            work = dist.all_reduce(tensor, group=group, async_op=True)  # a sum: divided after
+        except Exception as e:  # noqa: BLE001  (handed to whoever waits on the bucket)
+            self.abort(e)
+            return
+        work.get_future().then(lambda f: self._finished(f, tensor, done, divide=divide, epoch=epoch))
+
+    def _finished(self, f: torch.futures.Future, tensor: torch.Tensor, done: torch.futures.Future, *,
+                  divide: bool, epoch: int | None) -> None:
+        try:
+            f.value()  # raises the reduction's error, if any
+        except Exception as e:  # noqa: BLE001  (handed to whoever waits on the bucket, and on the ones after it)
+            _settle(done, error=e)
+            if epoch is not None:
+                self._stop(epoch, e)
+            return
+        if divide:
+            tensor.div_(self._world)
+        _settle(done, result=tensor)
+        if epoch is not None:
+            self._launch_next(epoch)
+
+    def _stop(self, epoch: int, error: Exception) -> None:
+        """A reduction failed: nothing else of this step goes out, and whoever waits for it is told why."""
+        with self._lock:
+            if epoch != self._epoch:
+                return
+            self._stopped = True
+            self._queue.clear()
+        self.abort(error)
 
 
 def _settle(fut: torch.futures.Future, *, result: Any = None, error: Exception | None = None) -> None:

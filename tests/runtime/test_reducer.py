@@ -6,6 +6,7 @@ cut from 3 ranks on), real DDP.
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, store_dir: str, out: str) -> None:
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang shows every thread's stack, before the test's timeout
     torch.set_num_threads(1)
     results: dict[str, object] = {}
 
@@ -87,7 +89,7 @@ def _worker(rank: int, world: int, store_dir: str, out: str) -> None:
         torch.save(results, out)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_ddp_buckets_are_the_plan_reduced_in_place_and_the_same_bits_in_every_generation(tmp_path):
     out = tmp_path / "results.pt"
     mp.start_processes(_worker, args=(3, str(tmp_path), str(out)), nprocs=3, start_method="spawn")
