@@ -9,7 +9,7 @@ from checkpointing import CheckpointConfig
 from monitors.cupti_kernels import CuptiConfig
 from resilient_train import env as envvars
 from resilient_train.preempt import PreemptionConfig
-from resilient_train.reducer import DEFAULT_BUCKET_MB
+from resilient_train.buckets import DEFAULT_BUCKET_MB
 from resilient_train.rerun import RerunConfig
 
 __all__ = ["SupervisorConfig"]
