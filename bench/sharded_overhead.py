@@ -4,13 +4,14 @@ Every rank runs the variants in turn, in the same order, a few rounds, each
 block on a freshly built (same seed) model:
 
 * ``plain``: ``init_process_group`` + ``init_device_mesh`` + ``fully_shard`` + AdamW, the usual step;
-* ``buddy1`` / ``buddy10``: the same step under ``Supervisor.run`` with ``sup.sharded``
-  (the commit vote, the published local state, progress slot, events), the buddy copy
-  refreshed every 1 / 10 steps.
+* ``auto``: the same step under ``Supervisor.run`` with ``sup.sharded`` and default settings
+  (the commit vote, the published local state, progress slot, events, the buddy copies at the
+  interval the job chooses from its first steps, printed once);
+* ``buddy1`` / ``buddy10``: the same with the buddy copy refreshed every 1 / 10 steps.
 
 Printed: the median step time of each variant and its ratio to ``plain``, the
-bytes a refresh sends per rank, and the peak host memory of the first block of
-each variant (VmHWM, reset before it).
+bytes a refresh sends per rank, the interval chosen, and the peak host memory
+of the first block of each variant (VmHWM, reset before it).
 
     python bench/sharded_overhead.py --nproc 4 --preset small
 """
@@ -36,7 +37,7 @@ PRESETS = {  # d_model, layers, heads, seq_len
     "small": dict(d_model=256, layers=4, heads=4, seq_len=64),
     "tiny": dict(d_model=64, layers=2, heads=2, seq_len=32),
 }
-VARIANTS = ("plain", "buddy1", "buddy10")
+VARIANTS = ("plain", "auto", "buddy1", "buddy10")
 
 
 def _hwm_reset() -> None:
@@ -102,7 +103,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
                 dist.destroy_process_group()
             else:
                 os.environ[E.RT_JOB_TOKEN] = f"{variant}-{rnd}"  # each block its own keys
-                every = {"buddy1": 1, "buddy10": 10}[variant]
+                every = {"auto": None, "buddy1": 1, "buddy10": 10}[variant]
                 sup = rt.Supervisor(rt.SupervisorConfig(steps=total + 1, write_final=False, buddy_every=every))
                 sharded = sup.sharded(model(), parallelize)
                 optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
@@ -115,6 +116,9 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
                 sup.run(train_step, state)
                 if sup.buddy is not None and sup.buddy.own:
                     extra["refresh_bytes"] = sup.buddy.own[-1].nbytes
+                if sup.buddy is not None:
+                    extra["every"] = sup.buddy.every
+                    extra["chosen"] = sup.buddy.interval.chosen
             timed = stamps[args.warmup:]
             step_s = (timed[-1] - timed[0]) / (len(timed) - 1)
             results.append({"round": rnd, "variant": variant, "step_s": step_s, "hwm_gib": _hwm_gib(), **extra})
@@ -130,8 +134,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
 
 
 def summarize(data: dict[str, Any]) -> str:
-    rows = ["| variant | step (median) | ratio to plain | bytes sent per refresh (rank 0) | host peak | ratio |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| variant | step (median) | ratio to plain | bytes sent per refresh (rank 0) | every | host peak | ratio |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     res = data["results"]
     by = {v: [r for r in res if r["variant"] == v] for v in VARIANTS}
     base = statistics.median(r["step_s"] for r in by["plain"]) if by["plain"] else None
@@ -144,7 +148,14 @@ def summarize(data: dict[str, Any]) -> str:
         sent = f"{rs[-1]['refresh_bytes'] / 2**20:.2f} MiB" if "refresh_bytes" in rs[-1] else "-"
         ratio = f"{step / base:.3f}x" if base else "-"
         mratio = f"{mem / base_mem:.2f}x" if base_mem else "-"
-        rows.append(f"| {v} | {step * 1e3:.1f} ms | {ratio} | {sent} | {mem:.2f} GiB | {mratio} |")
+        every = sorted({r.get("every") for r in rs if r.get("every") is not None})
+        rows.append(f"| {v} | {step * 1e3:.1f} ms | {ratio} | {sent} | {', '.join(map(str, every)) or '-'} "
+                    f"| {mem:.2f} GiB | {mratio} |")
+    for r in res:
+        if r["variant"] == "auto" and r.get("chosen"):
+            c = r["chosen"]
+            rows.append(f"\nauto, round {r['round']}: every {c['every']} steps (rank 0 measured a refresh of "
+                        f"{c['refresh_s'] * 1e3:.1f} ms and a step of {c['step_s'] * 1e3:.1f} ms)")
     return "\n".join(rows)
 
 

@@ -6,17 +6,24 @@ same model and optimizer (training simply goes on from block to block):
 * ``plain``: ``init_process_group`` + ``DDP(model)`` + the usual step;
 * ``sup``: the same step under ``Supervisor.run`` with ``sup.ddp(model)``, default settings
   (progress slot for the agent's monitors, events, the commit vote, published local state);
+* ``final``: ``sup`` that also writes the final state (``RUN_DIR/final``) at its end, first round
+  only: its host peak includes the streamed write, its ``final`` column the write's seconds;
 * ``snap1``/``snap10``: the same with a host snapshot every 1 / 10 steps.
+
+``--force-reduction`` runs the supervised variants on the path of a world
+larger than one even at one rank (``SupervisorConfig(force_reduction=True)``:
+DDP's buckets reduced through the hook, the vote's all-reduce), so one GPU
+shows that path's cost beside the plain DDP loop (which all-reduces its
+buckets at one rank too). ``--autocast bf16`` runs forward in bf16 autocast.
 
 Printed: the median step time of each variant and its ratio to ``plain``, and
 the peak host memory (VmHWM, reset before the variant's first block, in the
 first round: plain and sup run before any snapshot's pinned buffers exist)
-and its ratio. On a GPU
-also: how long the snapshot's device-to-host copy took on its side stream
-(CUDA events), and what the DDP hook's two gradient copies would cost at more
-than one rank (they are skipped at one), timed alone.
+and its ratio; whether DDP's buckets were the reducer's plan (no copy) on
+every step. On a GPU also: how long the snapshot's device-to-host copy took on
+its side stream (CUDA events).
 
-    python bench/steady_overhead.py --preset 808m --batch 8 32          # one GPU
+    python bench/steady_overhead.py --preset 808m --batch 8 32 --autocast bf16 --force-reduction --item-every 1
     python bench/steady_overhead.py --preset 20m --nproc 2 --device cpu   # CPU, 2 ranks
 """
 
@@ -42,7 +49,8 @@ PRESETS = {  # d_model, layers, heads, seq_len
     "20m": dict(d_model=512, layers=6, heads=8, seq_len=128),
     "tiny": dict(d_model=64, layers=2, heads=2, seq_len=32),
 }
-VARIANTS = ("plain", "sup", "snap1", "snap10")
+VARIANTS = ("plain", "sup", "final", "snap1", "snap10")
+DEFAULT_VARIANTS = ("plain", "sup", "snap1", "snap10")
 
 
 def _hwm_reset() -> None:
@@ -115,9 +123,12 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
     results: list[dict[str, Any]] = []
     step_no = 0
 
+    autocast = args.autocast == "bf16"
+
     def one_step(net: Any, step: int, size: int) -> torch.Tensor:
         x, y = batch(0, step, rank, size=size, cfg=cfg, device=device)
-        loss = net(x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = net(x, y)
         if args.item_every and step % args.item_every == 0:
             loss.item()  # a loop that logs its loss reads it back from the device
         optimizer.zero_grad(set_to_none=True)
@@ -128,9 +139,12 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
     for rnd in range(args.rounds):
         for size in args.batch:
             for variant in args.variants:
+                if variant == "final" and (rnd > 0 or size != args.batch[0]):
+                    continue  # one final state is enough: its write is what is measured
                 block = Block(args.warmup, args.steps, sync)
                 total = args.warmup + args.steps + 1
-                _hwm_reset()
+                if not args.process_peak:
+                    _hwm_reset()
                 extra: dict[str, Any] = {}
                 if variant == "plain":
                     kwargs = {"device_id": device} if cuda else {}
@@ -145,9 +159,10 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
                     dist.destroy_process_group()
                 else:
                     os.environ[E.RT_JOB_TOKEN] = f"{variant}-{rnd}-{size}"  # each block its own keys
-                    every = {"sup": None, "snap1": 1, "snap10": 10}[variant]
-                    sup = rt.Supervisor(rt.SupervisorConfig(steps=step_no + total, write_final=False,
-                                                            snapshot_every=every))
+                    every = {"sup": None, "final": None, "snap1": 1, "snap10": 10}[variant]
+                    sup = rt.Supervisor(rt.SupervisorConfig(steps=step_no + total, write_final=variant == "final",
+                                                            snapshot_every=every,
+                                                            force_reduction=args.force_reduction))
                     net = sup.ddp(model, device_ids=[rank] if cuda else None)
                     state = rt.TrainState(model=model, optimizer=optimizer, step=step_no)
 
@@ -156,7 +171,15 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
                         return one_step(net, ctx.step, size)
 
                     sup.run(train_step, state)
+                    end = time.perf_counter()
                     step_no = state.step
+                    reducer = sup._ddps[0][1]
+                    if reducer is not None:
+                        extra["copied_buckets"] = reducer.copied_buckets
+                        extra["buckets"] = len(reducer.plan)
+                        extra["native"] = reducer.native
+                    if variant == "final":
+                        extra["final_s"] = end - block.t1  # the last step, then the final state streamed to disk
                     if sup.snapshot is not None and cuda:
                         extra["snapshot_copy_s"] = sup.snapshot.snapshot.copy_seconds()
                         extra["snapshot_gib"] = sup.snapshot.snapshot.nbytes() / 2**30
@@ -165,31 +188,10 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
                 if rank == 0 and not args.quiet:
                     print(f"  round {rnd} batch {size} {variant:<7} {block.step_s * 1e3:8.2f} ms/step "
                           f"(host peak {results[-1].get('VmHWM', 0):.2f} GiB)", flush=True)
-    hook_copy_ms = _hook_copy_ms(model, device) if cuda and rank == 0 else None
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"results": results, "params": nparams, "hook_copy_ms": hook_copy_ms,
+        Path(out_path).write_text(json.dumps({"results": results, "params": nparams, "args": vars(args),
                                               "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                                               "torch": torch.__version__}))
-
-
-def _hook_copy_ms(model: Any, device: Any) -> float:
-    """The DDP hook's two gradient copies (bucket -> fixed layout -> bucket), timed on the device alone."""
-    import torch
-
-    grads = [torch.randn_like(p) for p in model.parameters()]
-    flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=device)
-    views = list(torch.split(flat, [g.numel() for g in grads]))
-    views = [v.view_as(g) for v, g in zip(views, grads)]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        torch._foreach_copy_(views, grads)
-        torch._foreach_copy_(grads, views)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def summarize(data: dict[str, Any]) -> str:
@@ -210,12 +212,16 @@ def summarize(data: dict[str, Any]) -> str:
             if "snapshot_copy_s" in rs[-1] and rs[-1]["snapshot_copy_s"] is not None:
                 notes = (f"snapshot {rs[-1]['snapshot_gib']:.1f} GiB, side-stream copy "
                          f"{rs[-1]['snapshot_copy_s'] * 1e3:.0f} ms")
+            if "final_s" in rs[0]:
+                notes = f"final state written in {rs[0]['final_s']:.1f} s (host peak includes it)"
+            if "buckets" in rs[0]:
+                copied = sum(r.get("copied_buckets", 0) for r in rs)
+                how = "reduced by DDP itself, no hook" if rs[0].get("native") else "through the hook"
+                notes += ("; " if notes else "") + (f"{rs[0]['buckets']} buckets {how}, none copied" if not copied
+                                                    else f"{copied} DDP buckets copied into the plan")
             ratio = f"{step / base:.3f}x" if base else "-"
             mratio = f"{mem / base_mem:.2f}x" if base_mem else "-"
             rows.append(f"| {size} | {v} | {step * 1e3:.1f} ms | {ratio} | {mem:.2f} GiB | {mratio} | {notes} |")
-    if data.get("hook_copy_ms") is not None:
-        rows.append(f"\nDDP hook's two gradient copies at more than one rank (timed alone): "
-                    f"{data['hook_copy_ms']:.2f} ms per step")
     return "\n".join(rows)
 
 
@@ -229,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each block")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
+    p.add_argument("--autocast", choices=["none", "bf16"], default="none", help="forward under bf16 autocast")
+    p.add_argument("--process-peak", action="store_true",
+                   help="never reset the peak: the host peak is the whole process's, start-up included (run one "
+                        "variant per process to compare whole runs)")
+    p.add_argument("--force-reduction", action="store_true",
+                   help="the supervised variants take the world>1 path (hook, plan, vote all-reduce) at one rank too")
     p.add_argument("--item-every", type=int, default=0,
                    help="read the loss back (loss.item()) every N steps, as a loop that logs it does (0: never)")
     p.add_argument("--out", default=None, help="write the raw results as JSON here")
@@ -249,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or tempfile.mktemp(suffix=".json", prefix="steady-")
     print(f"steady_overhead: {args.preset} GPT, {args.nproc} rank(s) on {args.device}, batch {args.batch}, "
           f"{args.rounds} rounds x {args.variants}, {args.warmup}+{args.steps} steps a block, "
-          f"loss.item() every {args.item_every or 'never'}", flush=True)
+          f"loss.item() every {args.item_every or 'never'}, autocast {args.autocast}"
+          f"{', forced world>1 path' if args.force_reduction else ''}", flush=True)
     if args.nproc == 1:
         _rank_main(0, 1, master.port, args, out)
     else:

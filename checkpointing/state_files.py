@@ -3,13 +3,20 @@
 ``write_state`` is the synchronous, one-process form of the commit protocol (used
 for final states and by tools); the :class:`~checkpointing.manager.CheckpointManager`
 writes the same format from many ranks. ``read_state`` reads either.
+
+``write_state`` streams: the tensors go to host memory and to disk a piece of
+at most ``piece_mb`` at a time (each piece its own DCP file, as a rank's shard
+would be, merged into one ``.metadata`` at the commit), so a state on a GPU
+never needs host memory for more than one piece (and one tensor larger than
+a piece). DCP's own writer keeps every tensor of a file until the file is
+written, so one file for the whole state would copy all of it to the host.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -20,7 +27,9 @@ from checkpointing.errors import DiskFullError, disk_full_error
 from checkpointing.manifest import Manifest, verify_checkpoint
 from checkpointing.tree import flatten_state, skeleton_keys, unflatten_state
 
-__all__ = ["LOCAL_PREFIX", "RANKS_KEY", "local_prefix", "read_state", "read_verified", "write_state"]
+__all__ = ["LOCAL_PREFIX", "PIECE_MB", "RANKS_KEY", "local_prefix", "read_state", "read_verified", "write_state"]
+
+PIECE_MB = 128.0  # host memory a streaming write holds at once (a larger tensor goes alone)
 
 LOCAL_PREFIX = "__rank"
 RANKS_KEY = "__ranks__"
@@ -38,12 +47,19 @@ def write_state(
     step: int,
     extras: dict[str, Any] | None = None,
     run_id: str | None = None,
+    piece_mb: float = PIECE_MB,
+    materialize: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Path:
     """Writes ``state`` as a committed checkpoint at ``directory`` and returns its path.
 
-    Tensors go to DCP files (``dcp.load`` reads them), plain values into the
-    manifest. The directory appears complete or not at all. A full filesystem raises
-    :class:`~checkpointing.errors.DiskFullError` (one line naming the directory).
+    Tensors go to DCP files (``dcp.load`` reads them), ``piece_mb`` of them at a
+    time, plain values into the manifest. The directory appears complete or not
+    at all. A full filesystem raises :class:`~checkpointing.errors.DiskFullError`
+    (one line naming the directory).
+
+    ``materialize`` turns each tensor into the one written, in the order of the
+    state (a DTensor's ``full_tensor()``: a collective the other ranks run in the
+    same order, so a sharded state is gathered one tensor at a time).
     """
     if not isinstance(state, dict):
         raise ValueError(f"write_state: state must be a dict, got {type(state).__name__}")
@@ -52,20 +68,23 @@ def write_state(
     final = Path(directory)
     if final.name.endswith(TMP_SUFFIX):
         raise ValueError(f"write_state: directory name must not end in {TMP_SUFFIX!r}: {final}")
-    flat, tree = flatten_state(state)
+    flat, tree = flatten_state(state, dtensors=materialize is not None)
     extras = dict(extras or {})
     tmp = final.with_name(final.name + TMP_SUFFIX)
     remove_tree(tmp)
     tmp.mkdir(parents=True)
     try:
-        cpu = {k: v.to("cpu") for k, v in flat.items()}
-        names = write_shard(tmp, 0, cpu)
+        files: dict[int, dict[str, dict[str, Any]]] = {}
+        for i, piece in enumerate(_pieces(flat, max(1, int(piece_mb * 2**20)))):
+            host = {k: (v if materialize is None else materialize(v)).detach().to("cpu") for k, v in piece.items()}
+            files[i] = describe_files(tmp, write_shard(tmp, i, host))
+            del host
         commit_checkpoint(
             tmp,
             final,
             step=step,
             world_size=1,
-            files_by_rank={0: describe_files(tmp, names)},
+            files_by_rank=files,
             tree=tree,
             local_trees={},
             extras=extras,
@@ -78,6 +97,20 @@ def write_state(
             raise full from None  # e.g. ENOSPC writing the manifest: name the directory
         raise
     return final
+
+
+def _pieces(flat: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive runs of ``flat`` of at most ``limit`` bytes (at least one run, maybe empty)."""
+    pieces: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in flat.items():
+        n = value.numel() * value.element_size()
+        if pieces[-1] and size + n > limit:
+            pieces.append({})
+            size = 0
+        pieces[-1][key] = value
+        size += n
+    return pieces
 
 
 def read_state(

@@ -51,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="warmup steps of the LR schedule")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm")
     p.add_argument("--replicas", type=int, default=1, help="HSDP: replica groups (1: plain FSDP over every rank)")
-    p.add_argument("--buddy-every", type=int, default=1, help="refresh the buddy copies every k steps (plain FSDP)")
+    p.add_argument("--buddy-every", type=int, default=0,
+                   help="refresh the buddy copies every k steps (plain FSDP; 0, the default: an interval the job "
+                        "chooses from its first steps, the copies at most 2%% of the step time)")
     p.add_argument("--ckpt-every", type=int, default=0,
                    help="disk checkpoint interval in steps, under RUN_DIR/checkpoints (0: none; needs a run dir)")
     p.add_argument("--ckpt-mode", choices=["process", "disabled"], default="process",
@@ -59,8 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--reproducible", action="store_true", help="deterministic kernels, one intra-op thread")
     args = p.parse_args(argv)
-    if args.steps < 0 or args.batch < 1 or args.dataset < 1 or args.replicas < 1 or args.buddy_every < 1:
-        p.error("--steps must be >= 0; --batch, --dataset, --replicas and --buddy-every >= 1")
+    if (args.steps < 0 or args.batch < 1 or args.dataset < 1 or args.replicas < 1
+            or args.buddy_every < 0):
+        p.error("--steps and --buddy-every must be >= 0; --batch, --dataset and --replicas >= 1")
     if args.ckpt_every < 0:
         p.error("--ckpt-every must be >= 0")
     return args
@@ -119,7 +122,7 @@ def schedule(args: argparse.Namespace) -> Callable[[int], float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Without --reproducible the config's default stands (RT_REPRODUCIBLE=1: the chaos runner's bitwise verdicts).
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, buddy_every=args.buddy_every,  # rt:
+    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, buddy_every=args.buddy_every or None,  # rt:
                                             checkpoint=checkpoints(args),
                                             **({"reproducible": True} if args.reproducible else {})))
     rank, world, device = sup.env.rank, sup.env.world_size, sup.device  # rt:

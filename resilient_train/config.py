@@ -9,7 +9,7 @@ from checkpointing import CheckpointConfig
 from monitors.cupti_kernels import CuptiConfig
 from resilient_train import env as envvars
 from resilient_train.preempt import PreemptionConfig
-from resilient_train.reducer import DEFAULT_CHUNK_MB
+from resilient_train.buckets import DEFAULT_BUCKET_MB
 from resilient_train.rerun import RerunConfig
 
 __all__ = ["SupervisorConfig"]
@@ -26,9 +26,12 @@ class SupervisorConfig:
     # Deterministic algorithms and one intra-op thread: bitwise verdicts (the chaos runner, the demo, the tests).
     reproducible: bool = field(default_factory=lambda: os.environ.get(envvars.RT_REPRODUCIBLE) == "1")
     snapshot_every: int | None = None  # a host snapshot every k steps (off: live replicas are the redundancy)
-    # sup.sharded: a shard no other rank holds (pure FSDP or TP) is copied to a buddy every k steps
-    buddy_every: int = 1
-    chunk_mb: float = DEFAULT_CHUNK_MB  # the gradient reduction's chunk size (fixed for the run)
+    # sup.sharded: a shard no other rank holds (pure FSDP or TP) is copied to a buddy every k steps;
+    # None: k chosen from the job's first steps, so that the copies cost at most 2% (resilient_train.buddy)
+    buddy_every: int | None = None
+    chunk_mb: float = DEFAULT_BUCKET_MB  # the gradient reduction's bucket size (DDP's bucket_cap_mb; fixed for the run)
+    # The collectives of world > 1 at a world of one too (the reduction, the vote): to measure that path on one GPU
+    force_reduction: bool = field(default_factory=lambda: os.environ.get(envvars.RT_FORCE_REDUCTION) == "1")
     write_final: bool = True
     checkpoint: CheckpointConfig | None = None  # disk checkpoints (see resilient_train.disk)
     watch_interval_s: float = 0.05
@@ -45,8 +48,8 @@ class SupervisorConfig:
             raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1 or None, got {self.snapshot_every}")
-        if self.buddy_every < 1:
-            raise ValueError(f"buddy_every must be >= 1, got {self.buddy_every}")
+        if self.buddy_every is not None and self.buddy_every < 1:
+            raise ValueError(f"buddy_every must be >= 1 or None, got {self.buddy_every}")
         if self.max_failed_generations < 1:
             raise ValueError(f"max_failed_generations must be >= 1, got {self.max_failed_generations}")
         if not self.chunk_mb > 0:

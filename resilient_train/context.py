@@ -41,7 +41,7 @@ class StepContext:
         self._sup._enter(self.phase.value, self.step)
 
     def average_gradients(self) -> None:
-        """The data-parallel gradient reduction (fixed layout, with the commit vote), as its own phase."""
+        """The data-parallel gradient reduction (the fixed bucket plan, with the commit vote), as its own phase."""
         self.enter(Phase.ALL_REDUCE)
         self._sup._reduce_gradients()
 

@@ -1,16 +1,27 @@
-"""DistributedDataParallel across generations.
+"""DistributedDataParallel across generations, its buckets the fixed plan.
 
 A DDP object is tied to the process group it was built on, and every
 generation builds a new one. ``sup.ddp(model, **ddp_kwargs)`` returns a
 :class:`ReplicatedModule`: call it as you would the DDP model; each
 generation it builds DDP again on that generation's group, with the
-supervisor's reducer as its communication hook, so the gradients are reduced
-in one fixed layout (bitwise the same in every generation, and the same as
-``ctx.average_gradients()``) while communication still overlaps backward.
+supervisor's reducer as its communication hook.
+
+Its buckets are the reducer's fixed plan (:class:`~resilient_train.reducer.BucketPlan`),
+made once, at construction: DDP's reducer holds the parameters in reverse
+order (:class:`PlannedDDP`) and is rebuilt at once with every parameter in
+that order, by the same rule the plan is cut with, so it never regroups its
+buckets by the order gradients became ready (which DDP otherwise does after
+its first iteration, in every generation again). The hook then reduces each
+bucket's own buffer in place: no copy, the same bits in every generation, and
+the same as ``ctx.average_gradients()``; communication still overlaps backward.
+On NCCL (unless a part looks at the gradients) DDP reduces the plan's buckets
+itself, with no hook (:meth:`GradientReducer.can_go_native`).
 
 A script that builds DDP itself in ``on_new_group`` works too: the
-supervisor finds that DDP and registers the same hook. A DDP built in an
-earlier generation and still in use is a misuse, stopped with one line.
+supervisor finds that DDP and registers the same hook, which copies its
+buckets into the plan and back (its buckets follow DDP's own grouping). A DDP
+built in an earlier generation and still in use is a misuse, stopped with one
+line.
 """
 
 from __future__ import annotations
@@ -33,7 +44,35 @@ from resilient_train.phased import forward_in_phases
 from resilient_train.reducer import GradientReducer
 from resilient_train.store import request_stop
 
-__all__ = ["ReplicatedModule", "adopt_user_ddp", "explain_ddp_before_run", "find_ddp"]
+__all__ = ["PlannedDDP", "ReplicatedModule", "adopt_user_ddp", "explain_ddp_before_run", "find_ddp"]
+
+
+class PlannedDDP(DDP):
+    """DDP whose reducer holds the parameters in reverse order: the plan's order (see :func:`fix_buckets`).
+
+    DDP lists the parameters in the order the module registers them and
+    launches its buckets strictly in bucket order; with that list reversed,
+    the buckets of a plan cut from it go out about as their gradients become
+    ready in backward, so communication overlaps backward as DDP's own
+    regrouping would, without depending on it.
+    """
+
+    def _build_params_for_reducer(self) -> tuple[list[torch.nn.Parameter], list[bool]]:
+        params, sparse = super()._build_params_for_reducer()
+        return params[::-1], sparse[::-1]
+
+
+def fix_buckets(ddp: DDP) -> None:
+    """Rebuilds ``ddp``'s buckets now, from its parameter list in order, once and for all.
+
+    DDP rebuilds its buckets once, before the forward after its first
+    backward, in the order the gradients arrived. Handing it every parameter
+    in its own list's order first makes that one rebuild happen here, with
+    the bucket rule the plan uses; DDP never rebuilds again. (It is a
+    collective: every rank builds its DDP at the same point of the generation.)
+    """
+    ddp.reducer._push_all_rebuilt_params()
+    ddp.reducer._rebuild_buckets()
 
 
 class ReplicatedModule(torch.nn.Module):
@@ -54,14 +93,24 @@ class ReplicatedModule(torch.nn.Module):
         """Builds DDP on ``group``; only the first generation syncs the module from rank 0 (later ones heal)."""
         self.drop()  # the last generation's DDP goes first: it holds the old group
         kwargs = dict(self._kwargs)
-        # The gradients are DDP's buckets: DDP's own copies into and out of them go, which pays for the
-        # fixed-layout hook's two copies (the hook needs its layout; DDP's buckets are regrouped by DDP).
-        kwargs.setdefault("gradient_as_bucket_view", True)
+        # NCCL: DDP reduces the plan's buckets itself, as a plain DDP loop would. Its gradients are then not
+        # views of its buckets: with views, DDP divides a gradient in place in some steps and while copying
+        # it in others (after a recovery dropped the gradients), which are not the same bits.
+        native = reducer.can_go_native(group) and not kwargs.get("gradient_as_bucket_view", False)
+        # Through the hook: the gradients are views of DDP's buckets, which DDP then does not copy back.
+        kwargs.setdefault("gradient_as_bucket_view", not native)
+        kwargs["bucket_cap_mb"] = reducer.plan.bucket_mb  # the plan's cut (first bucket included)
         if not first:
             kwargs.setdefault("init_sync", False)
-        ddp = DDP(self.module, process_group=group, **kwargs)
-        reducer.register(ddp)
+        ddp = PlannedDDP(self.module, process_group=group, **kwargs)
+        fix_buckets(ddp)
+        reducer.register(ddp, planned=True, native=native)
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: state_dict() stays the model's
+
+    def bucket_mb(self, default: float) -> float:
+        """The plan's bucket size for this model: DDP's ``bucket_cap_mb`` if the script gave one."""
+        given = self._kwargs.get("bucket_cap_mb")
+        return float(given) if given is not None else default
 
     def drop(self) -> None:
         """Forgets this generation's DDP (and with it, its process group)."""
@@ -101,7 +150,7 @@ def find_ddp(module: torch.nn.Module) -> list[DDP]:
 
 def adopt_user_ddp(module: torch.nn.Module, group: dist.ProcessGroup, make_reducer: Callable[[], GradientReducer],
                    generation: int) -> int:
-    """Checks the DDPs a script built itself around ``module``; gives the current ones the fixed-layout hook.
+    """Checks the DDPs a script built itself around ``module``; gives the current ones the plan's hook (the copy path).
 
     Returns how many were adopted. Raises :class:`UsageError` for a DDP of an
     earlier generation (built once, outside ``on_new_group``).

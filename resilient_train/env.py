@@ -42,6 +42,7 @@ RT_SPAWNED_AT = "RT_SPAWNED_AT"  # wall-clock time the agent started (or assigne
 RT_JOB_TOKEN = "RT_JOB_TOKEN"  # the job's secret: its keys in the store live under a namespace derived from it
 RT_TEST_CORRUPT_BUDDY = "RT_TEST_CORRUPT_BUDDY"  # tests: "RANK@STEP" flips a bit of the buddy copy RANK receives at STEP
 RT_REPRODUCIBLE = "RT_REPRODUCIBLE"  # "1": SupervisorConfig(reproducible=True) by default (the chaos runner sets it)
+RT_FORCE_REDUCTION = "RT_FORCE_REDUCTION"  # "1": SupervisorConfig(force_reduction=True) by default (benchmarks)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,7 @@ from resilient_train.store import Keys, current_generation, fail_join, wait_unti
 from resilient_train.local_state import LocalSlots
 from resilient_train.train_state import TrainState
 
-__all__ = ["finish_run", "published_local_states", "write_final"]
+__all__ = ["finish_run", "full_tensor", "gather_sharded", "published_local_states", "write_final"]
 
 
 def finish_run(
@@ -67,10 +67,13 @@ def published_local_states(store: dist.Store, *, world_size: int, step: int) -> 
 
 
 def write_final(store: dist.Store, state: TrainState, run_dir: Path, *, steps: int, world_size: int,
-                replicated: dict[str, Any] | None = None) -> Path:
+                replicated: dict[str, Any] | None = None,
+                materialize: Callable[[Any], Any] | None = None) -> Path:
     """Rank 0: the whole job's state at its last step (every rank's local state from the store) to RUN_DIR/final.
 
-    ``replicated``: the model and optimizer gathered as full tensors (a sharded state)."""
+    Streamed to disk a piece at a time (``checkpointing.write_state``): host memory for one piece, not the
+    state. ``replicated``: a sharded state's model and optimizer, each DTensor made whole by ``materialize``
+    as it is written (:func:`gather_sharded` runs the same collectives on the other ranks)."""
     from checkpointing import write_state
 
     locals_ = published_local_states(store, world_size=world_size, step=steps)
@@ -78,5 +81,19 @@ def write_final(store: dist.Store, state: TrainState, run_dir: Path, *, steps: i
         local.pop("rerun", None)  # the run's memory of faults, not training state
     path = run_dir / "final"
     write_state(path, state.state_dict(local_states=locals_, replicated=replicated), step=steps,
-                extras={"world_size": world_size})
+                extras={"world_size": world_size}, materialize=materialize)
     return path
+
+
+def full_tensor(t: Any) -> Any:
+    """A DTensor made whole (an all-gather over its mesh); any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") and hasattr(t, "placements") else t
+
+
+def gather_sharded(sharded: dict[str, Any]) -> None:
+    """Not rank 0: the collectives of rank 0's streamed write of ``sharded``, in its order (results dropped)."""
+    from checkpointing.tree import flatten_state
+
+    flat, _ = flatten_state(sharded, dtensors=True)
+    for t in flat.values():
+        full_tensor(t)

@@ -1,96 +1,59 @@
-"""The data-parallel gradient reduction, in a fixed layout, with the commit vote riding on it.
+"""The data-parallel gradient reduction: one fixed bucket plan, DDP's own buckets, the commit vote beside them.
 
-All gradients are packed into one flat buffer in a layout that never changes,
-across steps and across generations: the parameters in reverse order (the
-order their gradients become ready in backward), cut into chunks of about
-``chunk_mb`` at parameter boundaries, and one extra element at the very end:
-the **vote**. Each chunk is one all-reduce. gloo's result for an element
-depends on how its tensor is cut, so a fixed layout gives the same bits in
-every generation (a DDP rebuilt after a recovery regroups its buckets and
-changes them).
+**The plan** (:class:`~resilient_train.buckets.BucketPlan`) is made once
+from the parameters alone, the same in every generation and on every rank:
+one all-reduce per bucket of a fixed plan gives the same bits in every
+generation (gloo's result depends on how a tensor is cut), where a DDP left
+to itself regroups its buckets after its first iteration, in each generation
+again.
 
-The vote element carries each rank's verdict on the step: 1.0 to commit,
-NaN when the rerun validators reject the step, 0.0 to abstain. After the
-reduction every rank reads the same sum: ``world_size`` means every rank
-contributed its gradients and agreed, so the optimizer may step. The vote
-rides in the last chunk, launched only after the rank has published its
-rank-local state of the next step boundary (``before_vote``), so a completed
-reduction also proves that every rank's next boundary is recoverable.
+**No copy.** ``sup.ddp`` builds DDP so that its buckets are this plan
+(:mod:`resilient_train.ddp`): the communication hook then reduces each DDP
+bucket's own buffer in place. A DDP whose buckets are not the plan (one a
+script built itself) takes the copy path: its gradients are copied into the
+plan's buffers and back, with the same collectives, so the bits are the same
+either way. ``ctx.average_gradients()`` (no DDP) copies the gradients into the
+plan's buffers: the same bits again.
 
-Two ways in: :meth:`GradientReducer.reduce_all` after backward
-(``ctx.average_gradients()``), or as a DDP communication hook
-(:meth:`GradientReducer.ddp_hook`), which copies each DDP bucket into the
-fixed layout and launches a chunk as soon as all of its parameters arrived,
-so communication still overlaps backward.
+**The vote** rides beside the last bucket: a two-element tensor (the vote,
+the stop flag), summed, launched right after the last bucket and only after
+the rank published the rank-local state of the next step boundary
+(``vote()``). Each rank votes 1.0 to commit, NaN when its rerun validators
+reject the step, 0.0 to abstain; ``world_size`` in the sum means every rank
+contributed all its gradients and agreed, so the optimizer may step.
+
+On NCCL, with no part looking at the gradients, the DDP reduces the plan's
+buckets itself, with no hook (:meth:`GradientReducer.can_go_native`), and the
+vote goes out at the commit. At a world of one nothing is reduced or copied,
+unless ``force`` asks for the collectives of a larger world anyway (benchmarks
+measure that path on one GPU).
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["FlatLayout", "GradientReducer", "ReducerHooks"]
+from resilient_train.buckets import DEFAULT_BUCKET_MB, BucketPlan
 
-DEFAULT_CHUNK_MB = 25.0  # DDP's default bucket size
-
-
-VOTE_SLOTS = 2  # the vote and the stop flag ride at the end of the last chunk
-
-
-class FlatLayout:
-    """Offsets of each parameter in the flat buffer, and the chunks it is reduced in."""
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], *, chunk_mb: float = DEFAULT_CHUNK_MB) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("no trainable parameters to reduce")
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"parameters of one dtype expected, got {sorted(map(str, dtypes))}")
-        self.dtype = self.params[0].dtype
-        if not self.dtype.is_floating_point:
-            raise ValueError(f"floating-point parameters expected, got {self.dtype}")
-        limit = max(1, int(chunk_mb * 2**20) // self.params[0].element_size())
-        self.offsets = [0] * len(self.params)
-        self.chunks: list[tuple[int, int]] = []  # [start, end) in elements
-        self.chunk_params: list[list[int]] = []
-        self.chunk_of = [0] * len(self.params)
-        offset, start = 0, 0
-        for i in reversed(range(len(self.params))):
-            n = self.params[i].numel()
-            if offset > start and offset - start + n > limit:
-                self.chunks.append((start, offset))
-                start = offset
-            if not self.chunk_params or len(self.chunks) == len(self.chunk_params):
-                self.chunk_params.append([])
-            self.offsets[i] = offset
-            self.chunk_of[i] = len(self.chunks)
-            self.chunk_params[-1].append(i)
-            offset += n
-        self.vote_index = offset  # the commit vote, summed
-        self.stop_index = offset + 1  # the stop flag (a preemption), summed
-        self.numel = offset + VOTE_SLOTS
-        self.chunks.append((start, self.numel))  # the last chunk ends with the vote and the stop flag
-        self.index = {id(p): i for i, p in enumerate(self.params)}
-
-    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
-
+__all__ = ["BucketPlan", "DEFAULT_BUCKET_MB", "GradientReducer", "ReducerHooks"]
 
 @dataclass(frozen=True, kw_only=True)
 class ReducerHooks:
     """What the supervisor does around a reduction.
 
-    ``before_chunk(views, last)`` sees the local gradients of a chunk just
-    before it is reduced (value faults, the local gradient norm);
-    ``vote()`` publishes the next boundary's local state and returns this
-    rank's vote; ``stop()`` is its stop flag (a preemption signal seen), summed
-    with the others' so that every rank learns it after the same step;
-    ``group()`` is the current generation's process group.
+    ``before_chunk(views, last)`` sees the local gradients of a bucket just
+    before it is reduced (value faults, the local gradient norm); ``last`` is
+    the bucket the vote goes out with. ``vote()`` publishes the next
+    boundary's local state and returns this rank's vote; ``stop()`` is its
+    stop flag (a preemption signal seen), summed with the others' so that
+    every rank learns it after the same step; ``group()`` is the current
+    generation's process group.
     """
 
     vote: Callable[[], float]
@@ -101,38 +64,58 @@ class ReducerHooks:
 
 class GradientReducer:
     def __init__(self, params: Sequence[torch.nn.Parameter], hooks: ReducerHooks, *,
-                 chunk_mb: float = DEFAULT_CHUNK_MB) -> None:
-        self.layout = FlatLayout(params, chunk_mb=chunk_mb)
+                 bucket_mb: float = DEFAULT_BUCKET_MB, force: bool = False) -> None:
+        self.plan = BucketPlan(params, bucket_mb=bucket_mb)
         self.hooks = hooks
-        self._flat: torch.Tensor | None = None
+        self.force = force  # the collectives of world > 1 even at a world of one
+        self._flat: list[torch.Tensor] | None = None  # the copy path's buffers, one per bucket (made on first use)
+        self._votes: torch.Tensor | None = None
+        self._planned = False  # the registered DDP's buckets are the plan (checked once per bucket)
+        self.native = False  # the registered DDP reduces its buckets itself (NCCL): no hook, the gate's vote
+        self._checked: dict[int, bool] = {}
+        self.copied_buckets = 0  # DDP buckets that took the copy path, all steps together
+        self._lock = threading.Lock()  # the gloo chain's state, shared with gloo's thread
         self.reset()
 
     # ------------------------------------------------------------ per step
     def reset(self) -> None:
         """Forgets the last step's reduction (called at the start of every step)."""
-        n = len(self.layout.chunks)
+        n = len(self.plan)
+        self._targets: list[torch.Tensor | None] = [None] * n
         self._arrived = [0] * n
-        self._launched = [False] * n
-        self._done: list[torch.futures.Future] | None = None  # one per chunk, made with the buffer's device
-        self._world = 1
-        self._in_flight: Any = None  # the last gloo work launched (see _reduce_chunk)
-        self.reduced = False  # the vote chunk went out this step
+        self._next = 0  # buckets go out in plan order: the same sequence of collectives on every rank
+        self._done: list[torch.futures.Future] | None = None  # one per bucket, then the vote's
+        with self._lock:
+            # gloo's chain of reductions (see _all_reduce); a new epoch each step, so a late callback of an
+            # abandoned step never launches anything of the next one
+            self._epoch = getattr(self, "_epoch", 0) + 1
+            self._queue: collections.deque = collections.deque()
+            self._busy = False
+            self._stopped = False
+        self._sums: list[float] | None = None
+        self._world, self._nccl = 1, False  # the group's, read when the step's first bucket goes out
+        self.reduced = False  # the vote went out this step
         self._solo_vote: float | None = None  # a world of one: the vote never leaves the host
         self._solo_stop = 0.0
+        self._solo_seen = 0
 
     def forget(self) -> None:
-        """After a failure: forgets the step and the buffer, which a collective left running may still write."""
+        """After a failure: forgets the step and the buffers, which a collective left running may still write."""
         self.reset()
         self._flat = None
+        self._votes = None
 
     def abort(self, error: Exception) -> None:
-        """Fails every chunk of this step not reduced yet, from any thread.
+        """Fails every bucket of this step not reduced yet, and launches none of them, from any thread.
 
         gloo cannot abort a collective: a rank left in one by peers that went on
         to the next generation would wait in DDP's end of backward until the
-        group's timeout. Failing the chunks' futures releases it at once (the
+        group's timeout. Failing the buckets' futures releases it at once (the
         collective itself ends in gloo's thread when its peers' connections go).
         """
+        with self._lock:
+            self._stopped = True
+            self._queue.clear()
         for fut in self._done or []:
             _settle(fut, error=error)
 
@@ -141,19 +124,24 @@ class GradientReducer:
         assert self.reduced, "no reduction this step"
         if self._solo_vote is not None:
             return self._solo_vote
-        assert self._flat is not None and self._done is not None
-        self._done[-1].wait()
-        return float(self._flat[self.layout.vote_index])
+        if self._sums is None:
+            assert self._done is not None and self._votes is not None
+            self._done[-1].wait()
+            self._sums = self._votes.tolist()
+        return self._sums[0]
 
     def stop_sum(self) -> float:
         """Every rank's stop flag added up (after :meth:`vote_sum`, which waited for the reduction)."""
         assert self.reduced, "no reduction this step"
         if self._solo_vote is not None:
             return self._solo_stop
-        assert self._flat is not None
-        return float(self._flat[self.layout.stop_index])
+        assert self._sums is not None, "stop_sum before vote_sum"
+        return self._sums[1]
 
-    def _solo(self, grads: list[torch.Tensor]) -> None:
+    def _solo(self) -> bool:
+        return not self.force and (not dist.is_initialized() or dist.get_world_size(self.hooks.group()) == 1)
+
+    def _cast_solo(self, grads: list[torch.Tensor]) -> None:
         """A world of one: nothing to reduce or copy; the hooks still see the gradients, the vote is cast."""
         if self.hooks.before_chunk is not None:
             self.hooks.before_chunk(grads, True)
@@ -161,58 +149,96 @@ class GradientReducer:
         self._solo_stop = self.hooks.stop()
         self.reduced = True
 
-    def _world_size(self) -> int:
-        return dist.get_world_size(self.hooks.group()) if dist.is_initialized() else 1
-
     # ----------------------------------------------------------- all at once
     def reduce_all(self) -> None:
         """Averages the parameters' gradients in place across the group (after backward)."""
-        L = self.layout
-        if self._world_size() == 1:
-            for p in L.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self._solo([p.grad for p in L.params])  # type: ignore[misc]
+        P = self.plan
+        for p in P.order:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self._solo():
+            self._cast_solo([p.grad for p in P.order])  # type: ignore[misc]
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in L.params]
-        flat = self._begin(grads[0].device)
-        torch._foreach_copy_([L.view(flat, i) for i in range(len(L.params))], [g.view_as(p) for g, p in zip(grads, L.params)])
-        self._arrived = [len(ps) for ps in L.chunk_params]
-        self._launch_ready(flat)
+        flats = self._begin(P.order[0].device, flat=True)
+        for b in range(len(P)):
+            torch._foreach_copy_(P.views(flats[b], b), [p.grad for p in P.params(b)])  # type: ignore[misc]
+            self._arrive(b, flats[b])
+        self._launch_ready()
         assert self._done is not None
         torch.futures.wait_all(self._done)
-        for i, p in enumerate(L.params):
-            view = L.view(flat, i)
-            if p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
+        for b in range(len(P)):
+            torch._foreach_copy_([p.grad for p in P.params(b)], P.views(flats[b], b))  # type: ignore[misc]
 
     # --------------------------------------------------------------- DDP hook
-    def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Makes this reducer ``ddp``'s communication hook."""
-        ddp.register_comm_hook(self, _ddp_hook)
+    def can_go_native(self, group: dist.ProcessGroup) -> bool:
+        """Whether a DDP with this plan's buckets on ``group`` may reduce them itself, with no hook.
+
+        On NCCL, DDP's own C++ reduction of the plan's buckets gives the bits of
+        this reducer's (it multiplies each gradient by 1/world while copying it
+        into its bucket, then sums; :meth:`_all_reduce` does the same) without a
+        Python call per bucket, and a dead peer's collective is aborted through
+        the communicator. The vote then goes out at the commit, after backward
+        (the gate's own two-element all-reduce). Not on gloo, whose collectives
+        cannot be aborted: the hook's futures are what release a rank left in
+        one. Not when a part looks at the gradients before they are reduced.
+        """
+        return self.hooks.before_chunk is None and dist.get_backend(group) == "nccl"
+
+    def register(self, ddp: torch.nn.parallel.DistributedDataParallel, *, planned: bool = False,
+                 native: bool = False) -> None:
+        """Makes this reducer ``ddp``'s communication hook.
+
+        ``planned``: ``ddp`` was built with this plan's buckets, final from its
+        construction on (:mod:`resilient_train.ddp`), so each bucket is reduced
+        in place once it is found to hold the plan's parameters. Any other DDP
+        (it regroups its buckets after its first iteration) takes the copy path.
+        ``native`` (with ``planned``, where :meth:`can_go_native`): no hook at all.
+        """
+        self._planned = planned
+        self._checked = {}
+        self.native = planned and native
+        if not self.native:
+            ddp.register_comm_hook(self, _ddp_hook)
+
+    def _is_planned(self, bucket: dist.GradBucket) -> bool:
+        b = bucket.index()
+        known = self._checked.get(b)
+        if known is None:
+            known = self._checked[b] = self._planned and self.plan.holds(b, bucket.parameters())
+        return known
 
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        L = self.layout
+        P = self.plan
         buffer = bucket.buffer()
-        if self._world_size() == 1:
-            self._arrived[0] += len(bucket.parameters())
-            if self._arrived[0] == len(L.params):  # the last bucket of the step
-                self._solo(list(bucket.gradients()))
+        if self._solo():
+            self._solo_seen += len(bucket.parameters())
+            if self._solo_seen == len(P.order):  # the last bucket of the step
+                self._cast_solo(list(bucket.gradients()))
             done: torch.futures.Future = torch.futures.Future()
             _settle(done, result=buffer)
             return done
-        flat = self._begin(buffer.device)
-        indices = [L.index[id(p)] for p in bucket.parameters()]
-        mine = [L.view(flat, i) for i in indices]
-        theirs = [g.view_as(L.params[i]) for g, i in zip(bucket.gradients(), indices)]
+        if self._is_planned(bucket):
+            b = bucket.index()
+            self._begin(buffer.device, flat=False)
+            self._arrive(b, buffer)
+            self._launch_ready()
+            assert self._done is not None
+            return self._done[b]
+        # The copy path: into the plan's buffers, reduced bucket by bucket as they fill, and back.
+        self.copied_buckets += 1
+        flats = self._begin(buffer.device, flat=True)
+        params, grads = bucket.parameters(), bucket.gradients()
+        places = [P.where[id(p)] for p in params]
+        mine = [flats[b][o : o + g.numel()] for (b, o), g in zip(places, grads)]
+        theirs = [g.view(-1) for g in grads]
         torch._foreach_copy_(mine, theirs)
-        for i in indices:
-            self._arrived[L.chunk_of[i]] += 1
-        self._launch_ready(flat)
+        for b in sorted({b for b, _ in places}):
+            self._arrived[b] += sum(1 for c, _ in places if c == b)
+            if self._arrived[b] == len(P.buckets[b]):
+                self._targets[b] = flats[b]
+        self._launch_ready()
         assert self._done is not None
-        waits = [self._done[c] for c in sorted({L.chunk_of[i] for i in indices})]
+        waits = [self._done[b] for b in sorted({b for b, _ in places})]
 
         def copy_back(_: Any) -> torch.Tensor:
             torch._foreach_copy_(theirs, mine)
@@ -221,73 +247,114 @@ class GradientReducer:
         return torch.futures.collect_all(waits).then(copy_back)
 
     # ------------------------------------------------------------- plumbing
-    def _begin(self, device: torch.device) -> torch.Tensor:
-        if self._flat is None or self._flat.device != device:
-            self._flat = torch.zeros(self.layout.numel, dtype=self.layout.dtype, device=device)
+    def _begin(self, device: torch.device, *, flat: bool) -> list[torch.Tensor]:
+        P = self.plan
+        if flat and (self._flat is None or self._flat[0].device != device):
+            self._flat = [torch.zeros(P.numel[b], dtype=P.order[P.buckets[b][0]].dtype, device=device)
+                          for b in range(len(P))]
+        if self._votes is None or self._votes.device != device:
+            self._votes = torch.zeros(2, dtype=torch.float32, device=device)
         if self._done is None:
             devices = [device] if device.type == "cuda" else None
-            self._done = [torch.futures.Future(devices=devices) for _ in self.layout.chunks]
-            self._world = self._world_size()
-        return self._flat
+            self._done = [torch.futures.Future(devices=devices) for _ in range(len(P) + 1)]
+            group = self.hooks.group()
+            self._world = dist.get_world_size(group)
+            self._nccl = dist.get_backend(group) == "nccl"
+        return self._flat if flat else []  # type: ignore[return-value]
 
-    def _launch_ready(self, flat: torch.Tensor) -> None:
-        """Launches every chunk whose parameters all arrived; the vote's chunk goes last.
+    def _arrive(self, b: int, target: torch.Tensor) -> None:
+        self._targets[b] = target
+        self._arrived[b] = len(self.plan.buckets[b])
 
-        Chunks go out as they fill, which is the order DDP's buckets arrive in: the
-        same on every rank. A chunk's bits do not depend on when it goes out, only
-        on its fixed content. The vote goes out once every other chunk has, so it
-        is cast with every gradient of the rank at hand.
-        """
-        L = self.layout
+    def _launch_ready(self) -> None:
+        """Launches, in plan order, every bucket whose gradients are all in; the vote after the last."""
+        P = self.plan
         assert self._done is not None
-        vote_chunk = len(L.chunks) - 1
-        for c in [*range(vote_chunk), vote_chunk]:
-            if self._launched[c] or self._arrived[c] != len(L.chunk_params[c]):
-                continue
-            last = c == vote_chunk
-            if last and not all(self._launched[:vote_chunk]):
-                continue
-            if self.hooks.before_chunk is not None:
-                self.hooks.before_chunk([L.view(flat, i) for i in L.chunk_params[c]], last)
+        last = len(P) - 1
+        while self._next <= last and self._targets[self._next] is not None:
+            b = self._next
+            target = self._targets[b]
+            assert target is not None
             try:
-                if last:
-                    flat[L.vote_index] = self.hooks.vote()
-                    flat[L.stop_index] = self.hooks.stop()
-                    self.reduced = True
-                self._reduce_chunk(flat, c, self._done[c])
+                if self.hooks.before_chunk is not None:
+                    self.hooks.before_chunk(P.views(target, b), b == last)
+                self._all_reduce(target, self._done[b], average=True)
+                if b == last:
+                    self._cast_vote()
             except BaseException as e:
-                # Whoever waits on a chunk that will never go out (DDP's end of backward does) must see why.
+                # Whoever waits on a bucket that will never go out (DDP's end of backward does) must see why.
                 self.abort(e if isinstance(e, Exception) else RuntimeError(repr(e)))
                 raise
-            self._launched[c] = True
+            self._next += 1
 
-    def _reduce_chunk(self, flat: torch.Tensor, c: int, done: torch.futures.Future) -> None:
-        start, end = self.layout.chunks[c]
-        piece = flat[start:end]
-        world = self._world
-        if world == 1:
-            _settle(done, result=[piece])
+    def _cast_vote(self) -> None:
+        """The vote and the stop flag, summed across the group right after the last bucket."""
+        assert self._votes is not None and self._done is not None
+        vote, stop = self.hooks.vote(), self.hooks.stop()  # vote() publishes the next boundary first
+        self._votes[0].fill_(vote)  # a fill on the device, no host synchronisation
+        self._votes[1].fill_(stop)
+        self.reduced = True
+        self._all_reduce(self._votes, self._done[-1], average=False)
+
+    def _all_reduce(self, tensor: torch.Tensor, done: torch.futures.Future, *, average: bool) -> None:
+        """Sums ``tensor`` across the group (averaged if ``average``); ``done`` gets it, or the error."""
+        group, world = self.hooks.group(), self._world
+        if self._nccl:
+            if average:
+                tensor.mul_(1.0 / world)  # as DDP's own reduction does: the same bits with or without the hook
+            work = dist.all_reduce(tensor, group=group, async_op=True)
+            work.get_future().then(lambda f: self._finished(f, tensor, done, divide=False, epoch=None))
             return
-        grads_end = end - VOTE_SLOTS if end == self.layout.numel else end  # the vote is summed, never averaged
-
-        def finish(f: torch.futures.Future) -> None:
-            try:
-                f.value()  # raises the reduction's error, if any
-            except Exception as e:  # noqa: BLE001  (handed to whoever waits on the chunk)
-                _settle(done, error=e)
+        # gloo: one reduction in flight at a time, each launched when the one before it ended (from gloo's
+        # thread), so no thread of this rank ever waits on a gloo collective itself: a failed one cannot be
+        # aborted, but the futures that wait for it can (abort()). With several in flight, two ranks could
+        # each wait in one for the other until the group's timeout; a group whose worker threads still run
+        # one cannot be torn down.
+        with self._lock:
+            self._queue.append((tensor, done, average and world > 1, group))
+            if self._busy:
                 return
-            flat[start:grads_end].div_(world)
-            _settle(done, result=[piece])
+            self._busy = True
+        self._launch_next(self._epoch)
 
-        if not piece.is_cuda and self._in_flight is not None:
-            # gloo: one reduction in flight at a time. A failed collective cannot be aborted, and a group
-            # whose worker threads still run one cannot be torn down: with several in flight, two ranks
-            # could each wait in one for the other until the group's timeout. Waiting here raises the
-            # first failure in this rank's backward, with nothing left pending.
-            self._in_flight.wait()
-        work = dist.all_reduce(piece, group=self.hooks.group(), async_op=True)
-        self._in_flight = work
-        work.get_future().then(finish)
+    def _launch_next(self, epoch: int) -> None:
+        with self._lock:
+            if epoch != self._epoch:
+                return  # a step abandoned: its chain ends here
+            if self._stopped or not self._queue:
+                self._busy = False
+                return
+            tensor, done, divide, group = self._queue.popleft()
+        try:
+            work = dist.all_reduce(tensor, group=group, async_op=True)  # a sum: divided after
+        except Exception as e:  # noqa: BLE001  (handed to whoever waits on the bucket)
+            self.abort(e)
+            return
+        work.get_future().then(lambda f: self._finished(f, tensor, done, divide=divide, epoch=epoch))
+
+    def _finished(self, f: torch.futures.Future, tensor: torch.Tensor, done: torch.futures.Future, *,
+                  divide: bool, epoch: int | None) -> None:
+        try:
+            f.value()  # raises the reduction's error, if any
+        except Exception as e:  # noqa: BLE001  (handed to whoever waits on the bucket, and on the ones after it)
+            _settle(done, error=e)
+            if epoch is not None:
+                self._stop(epoch, e)
+            return
+        if divide:
+            tensor.div_(self._world)
+        _settle(done, result=tensor)
+        if epoch is not None:
+            self._launch_next(epoch)
+
+    def _stop(self, epoch: int, error: Exception) -> None:
+        """A reduction failed: nothing else of this step goes out, and whoever waits for it is told why."""
+        with self._lock:
+            if epoch != self._epoch:
+                return
+            self._stopped = True
+            self._queue.clear()
+        self.abort(error)
 
 
 def _settle(fut: torch.futures.Future, *, result: Any = None, error: Exception | None = None) -> None:

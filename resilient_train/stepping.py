@@ -22,7 +22,7 @@ from resilient_train.commit import BufferGuard, CommitGate, StepMeasured, StepRe
 from resilient_train.context import StepContext, StepFn
 from resilient_train.errors import GenerationFailed
 from resilient_train.local_state import LocalSlots, as_peer, encode_local, same_local
-from resilient_train.parts import Parts
+from resilient_train.parts import Part, Parts
 from resilient_train.readout import LossReadout
 from resilient_train.reducer import GradientReducer, ReducerHooks
 from resilient_train.rerun.driver import Outcome
@@ -39,9 +39,11 @@ class Stepper:
     def __init__(self, *, state: TrainState, ctx: StepContext, parts: Parts, rerun: RerunPart | None,
                  slots: LocalSlots, events: EventLog, world_size: int, device: torch.device, chunk_mb: float,
                  group: Callable[[], dist.ProcessGroup | None], moved: Callable[[], bool],
-                 training: Callable[[], bool], stop: Callable[[], float] = lambda: 0.0) -> None:
+                 training: Callable[[], bool], stop: Callable[[], float] = lambda: 0.0,
+                 force_reduction: bool = False) -> None:
         self.state, self.ctx, self.parts, self.rerun = state, ctx, parts, rerun
         self._slots, self._events, self._device, self._chunk_mb = slots, events, device, chunk_mb
+        self._force = force_reduction
         self._group, self._moved, self._training = group, moved, training
         self.rank = ctx.rank
         self.gate = CommitGate(world_size=world_size, group=group, device=device, vote=self._vote, moved=moved,
@@ -62,10 +64,13 @@ class Stepper:
             handle.remove()
 
     # ------------------------------------------------------------ reducers
-    def new_reducer(self, params: Any) -> GradientReducer:
+    def new_reducer(self, params: Any, *, bucket_mb: float | None = None) -> GradientReducer:
+        # Only parts that look at gradients get them: the views cost a little on every step.
+        looks = any(type(p).before_chunk is not Part.before_chunk for p in self.parts.parts)
         hooks = ReducerHooks(vote=self._vote, stop=self._stop, group=self._group,
-                             before_chunk=lambda views, last: self.parts.before_chunk(views, last, self.ctx.step))
-        reducer = GradientReducer(list(params), hooks, chunk_mb=self._chunk_mb)
+                             before_chunk=(lambda views, last: self.parts.before_chunk(views, last, self.ctx.step))
+                             if looks else None)
+        reducer = GradientReducer(list(params), hooks, bucket_mb=bucket_mb or self._chunk_mb, force=self._force)
         self.gate.reducers.append(reducer)
         return reducer
 

@@ -39,7 +39,7 @@ from resilient_train.context import StepContext, StepFn
 from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_before_run
 from resilient_train.disk import DEFAULT_TIMEOUT_S, DiskCheckpoints, default_checkpoint_config
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
-from resilient_train.finish import finish_run, write_final
+from resilient_train.finish import finish_run, full_tensor, gather_sharded, write_final
 from resilient_train.generation import JoinError, Membership, ResumePlan, ResumeSource, RunFinished
 from resilient_train.group import abort_nccl, build_group, destroy_group, join_releases, release_in_background
 from resilient_train.heal import receive_state, send_state
@@ -105,9 +105,9 @@ class Supervisor:
     def ddp(self, model: torch.nn.Module, **ddp_kwargs: Any) -> ReplicatedModule:
         """``model`` data-parallel: call what this returns as you would a DDP model.
 
-        DDP is built again on every generation's group, with the supervisor's
-        fixed-layout reduction as its communication hook (bitwise across
-        recoveries, overlapping backward). ``ddp_kwargs`` go to DDP.
+        DDP is built again on every generation's group, its buckets the
+        supervisor's fixed plan (bitwise across recoveries, overlapping
+        backward, nothing copied). ``ddp_kwargs`` go to DDP.
         """
         wrapped = ReplicatedModule(model, ddp_kwargs, phase=lambda name: self.stepper.auto_phase(name))
         self._ddps.append((wrapped, None))
@@ -270,6 +270,7 @@ class Supervisor:
         self.stepper = Stepper(state=state, ctx=self.ctx, parts=self.parts, rerun=self.rerun, slots=self.slots,
                                events=self.events, world_size=self.env.world_size, device=self.device,
                                chunk_mb=c.chunk_mb, group=lambda: self.group, stop=self.preemption.flag,
+                               force_reduction=c.force_reduction,
                                moved=lambda: self._watcher.moved.is_set(),
                                training=lambda: self.lifecycle.state is _S.TRAINING)
         if self.env.replacement:
@@ -329,7 +330,7 @@ class Supervisor:
         self._rebuild_ddp(first=plan.source is ResumeSource.START)
         if self._on_new_group is not None:
             self._on_new_group()
-            # A DDP the script builds itself is built here: it gets the fixed-layout hook, and one kept from an
+            # A DDP the script builds itself is built here: it gets the plan's hook, and one kept from an
             # earlier generation is a misuse (the search walks the heap: only where it can find something).
             adopt_user_ddp(state.model, self.group, lambda: self.stepper.new_reducer(state.model.parameters()),  # type: ignore[arg-type]
                            plan.generation)
@@ -509,7 +510,8 @@ class Supervisor:
     def _rebuild_ddp(self, *, first: bool) -> None:
         for i, (wrapped, reducer) in enumerate(self._ddps):
             if reducer is None:
-                reducer = self.stepper.new_reducer(wrapped.module.parameters())
+                reducer = self.stepper.new_reducer(wrapped.module.parameters(),
+                                                   bucket_mb=wrapped.bucket_mb(self.config.chunk_mb))
                 self._ddps[i] = (wrapped, reducer)
             assert self.group is not None
             wrapped.rebuild(self.group, reducer, first=first)
@@ -675,27 +677,35 @@ class Supervisor:
             raise UsageError("the rerun machine does not support sup.sharded yet")
 
     def _gather_sharded(self) -> None:
-        """Every rank: the sharded model and optimizer as full tensors, on rank 0 (DCP's state_dict API)."""
+        """Every rank: the sharded model and optimizer as DTensors (DCP's state_dict API); rank 0 streams them
+        whole to disk one tensor at a time (:meth:`_write_final`), the others run the same gathers meanwhile."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         assert self._sharded is not None
         state = self.state
         with self.stepper.gate.suspended():  # DCP may step an optimizer with no state yet, to create it
             model_sd, optim_sd = get_state_dict(self._sharded.module, state.optimizer or [],
-                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        gathered: dict[str, Any] = {"model": model_sd}
+                                                options=StateDictOptions(full_state_dict=False))
+        sharded: dict[str, Any] = {"model": model_sd}
         if state.optimizer is not None:
-            gathered["optimizer"] = optim_sd
+            sharded["optimizer"] = optim_sd
         if state.replicated:
-            gathered["replicated"] = {name: obj.state_dict() for name, obj in state.replicated.items()}
-        self._gathered = gathered if self.env.rank == 0 else None
+            sharded["replicated"] = {name: obj.state_dict() for name, obj in state.replicated.items()}
+        if self.env.rank == 0:
+            self._gathered = sharded
+        else:
+            gather_sharded(sharded)
 
     def _write_final(self) -> None:
         assert self.run_dir is not None
+        t0 = time.monotonic()
+        sharded = self._sharded is not None
         path = write_final(self.store, self.state, self.run_dir, steps=self.config.steps,
-                           world_size=self.env.world_size,
-                           replicated=self._gathered if self._sharded is not None else None)
-        self.events.emit("final_state_written", path=str(path), step=self.config.steps)
+                           world_size=self.env.world_size, replicated=self._gathered if sharded else None,
+                           materialize=full_tensor if sharded else None)
+        self._gathered = None
+        self.events.emit("final_state_written", path=str(path), step=self.config.steps,
+                         seconds=round(time.monotonic() - t0, 3))
 
 
 _RELEASE_AT_EXIT_S = 5.0  # a group still stuck in a collective after this is left to the process's exit

@@ -1,7 +1,7 @@
 """A user's DDP script (examples/train_ddp.py) through faults: bitwise equal to its fault-free run.
 
 gloo's result depends on how a tensor is cut; a DDP rebuilt after a recovery
-regroups its buckets, so without the fixed-layout hook 3+ ranks differ.
+regroups its buckets, so without the fixed bucket plan 3+ ranks differ.
 """
 
 from __future__ import annotations

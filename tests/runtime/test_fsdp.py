@@ -32,7 +32,9 @@ STEPS = 2 + 3 * len(PHASES) + 6
 
 def run_fsdp(run_dir, *, nproc: int, steps: int, faults=None, extra=(), timeout: float = 150, env=None,
              script=FSDP) -> Job:
-    return run_script(run_dir, script, ["--steps", str(steps), *SMALL, *extra], nproc=nproc, faults=faults,
+    # A refresh every step unless a test asks otherwise: what a fault redoes is then fixed, not measured.
+    return run_script(run_dir, script, ["--steps", str(steps), *SMALL, "--buddy-every", "1", *extra],
+                      nproc=nproc, faults=faults,
                       timeout=timeout, agent_args=["--max-restarts", str(len(faults or []) + 1)], env=env)
 
 
@@ -132,6 +134,29 @@ def test_buddy_refresh_every_k_steps_rolls_back_and_replays(tmp_path, tmp_path_f
     assert redone >= 2 and [(e["rank"], e["resume_from"], e["steps_redone"]) for e in done] == [(0, "live", redone)]
     ref = fault_free(tmp_path_factory, 2, 10, extra=("--buddy-every", "3"))
     d = ckpt_diff(ref.run_dir / "final", job.run_dir / "final")
+    assert d.returncode == 0, d.stdout + d.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_measured_buddy_interval_is_kept_by_the_next_generation_and_replays_bitwise(tmp_path, tmp_path_factory):
+    """The default interval: chosen at the sixth boundary from the job's own timings, printed once; a kill
+    after it rolls back to the newest refresh, and the new generation keeps the interval the store holds."""
+    faults = [{"kind": "kill", "rank": 1, "step": 8, "phase": "forward"}]
+    job = run_fsdp(tmp_path / "run", nproc=2, steps=10, faults=faults, extra=["--buddy-every", "0"])
+    assert job.returncode == 0, job.stderr[-3000:]
+    chosen = job.of("buddy_interval")
+    assert len(chosen) == 2 and len({e["every"] for e in chosen}) == 1 and chosen[0]["step"] == 6, chosen
+    every = chosen[0]["every"]
+    assert every >= 1 and chosen[0]["refresh_s"] > 0 and chosen[0]["step_s"] > 0
+    assert job.stderr.count("resilient-train: buddy copies every") == 1  # said once, by rank 0
+    # Refreshed at boundaries 1 and 2 while measuring, then at multiples of k: step 8's fault resumes there.
+    newest = max(s for s in (1, 2, *range(every, 9, every)) if s <= 8)
+    done = job.of("recovery_done")
+    assert done and done[0]["resume_step"] == newest, (done, every)
+    healed = [e for e in job.of("healed") if e["rank"] == 1]
+    assert healed and healed[0]["from_buddy"], healed
+    d = ckpt_diff(fault_free(tmp_path_factory, 2, 10, extra=("--buddy-every", "3")).run_dir / "final",
+                  job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
 
 

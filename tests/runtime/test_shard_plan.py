@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing import write_state
+from resilient_train.buddy import BUDGET, Interval
 from resilient_train.errors import UsageError
 from resilient_train.generation import Membership, ResumeSource, plan_resume
 from resilient_train.mesh import MeshSpec
@@ -99,5 +100,37 @@ def test_a_dtensor_is_refused_by_the_whole_tensor_writer(tmp_path):
         with pytest.raises(ValueError, match="DTensor"):
             write_state(tmp_path / "final", {"model": {"w": dt}}, step=1)
         assert not (tmp_path / "final").exists()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(30)
+def test_the_buddy_interval_is_chosen_from_the_measured_refresh_and_steps_and_kept_in_the_store(tmp_path):
+    """At the sixth boundary: the smallest k with refresh <= BUDGET * k * step, the largest any rank asks
+    for (a MAX all-reduce; one gloo rank here), written to the store for later generations."""
+    now = [0.0]
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg"), 1), rank=0, world_size=1)
+    try:
+        interval = Interval(None, clock=lambda: now[0])
+        interval.restart(store)
+        refreshed_at = []
+        for step in range(1, 9):
+            now[0] += 0.100  # every step takes 100 ms
+            if interval.due(step):
+                refreshed_at.append(step)
+                interval.refreshed(0.050 if step == 2 else 9.0)  # the first (warm-up) refresh is not used
+            chosen = interval.settle(store, torch.device("cpu"))
+            if step == 6:
+                assert chosen == 25 == interval.every  # 50 ms <= 0.02 * k * 100 ms: k = 25
+        assert BUDGET == 0.02
+        assert refreshed_at == [1, 2]  # measuring: the first two boundaries; then every 25 steps
+        assert interval.due(25) and not interval.due(26)
+        later = Interval(None)
+        later.restart(store)  # a later generation, or a replacement: the run's choice
+        assert later.every == 25 and later.due(50)
+        fixed = Interval(3)
+        fixed.restart(store)
+        assert fixed.every == 3 and fixed.due(3) and not fixed.due(4)
     finally:
         dist.destroy_process_group()
