@@ -14,7 +14,6 @@ judged; total so far).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields

@@ -94,7 +94,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--max-replacements", type=integer(low=0), default=10,
                    help="in-place replacements of dead Supervisor ranks before giving up (default 10)")
     o.add_argument("--no-spare", action="store_true", help="do not keep warm spare workers (the same as --spares 0)")
-    o.add_argument("--spares", type=int, default=None,
+    o.add_argument("--spares", type=integer(low=0, high=64), default=None,
                    help="warm spare interpreters this node keeps for its replacements (default 1; a --spare node "
                         "keeps one per local rank while it waits)")
     o.add_argument("--chaos", default="", help="JSON list of faults to inject (see the chaos package)")
