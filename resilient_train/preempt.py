@@ -34,7 +34,10 @@ from resilient_train.shutdown import EXIT_RESERVE_S, auto_grace, check_seconds
 
 __all__ = ["Preemption", "PreemptionConfig"]
 
-_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
+# SIGUSR2 is the agent's request for a hung rank's stacks (monitors.stacks): a preemption on it would turn
+# every hang report into a stop of the job.
+_RESERVED = {"SIGUSR2": "the agent asks a hung rank for its stacks with it (monitors.stacks)"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,9 @@ class PreemptionConfig:
     on_grace_expiry: str = "exit"  # "exit": leave without it; "wait": keep waiting for the save
 
     def __post_init__(self) -> None:
+        reserved = [s for s in self.signals if s in _RESERVED]
+        if reserved:
+            raise ValueError(f"preemption.signals: {reserved[0]} cannot preempt: {_RESERVED[reserved[0]]}")
         bad = [s for s in self.signals if s not in _SIGNALS]
         if bad:
             raise ValueError(f"preemption.signals: unknown signal {bad[0]!r} (one of {', '.join(_SIGNALS)})")

@@ -46,6 +46,14 @@ def test_grace_and_shutdown_timeout_must_be_finite_seconds_in_range(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_sigusr2_cannot_be_a_preemption_signal_it_asks_a_hung_rank_for_its_stacks():
+    with pytest.raises(ValueError, match="SIGUSR2 cannot preempt: the agent asks a hung rank for its stacks") as e:
+        PreemptionConfig(signals=("SIGTERM", "SIGUSR2"))
+    assert "\n" not in str(e.value)
+    assert PreemptionConfig(signals=("SIGUSR1",)).signals == ("SIGUSR1",)
+
+
+@pytest.mark.timeout(60)
 def test_the_default_grace_covers_two_of_the_longest_save_and_the_exit():
     assert auto_grace(0.0) == DEFAULT_GRACE_S
     assert auto_grace(40.0) == 2 * 1.5 * 40.0 + 2.0  # a save in flight and the preemption's, half again for slack
