@@ -21,12 +21,13 @@ from pathlib import Path
 from chaos.faults import dumps_faults
 from chaos.schedule import CORRUPT_CKPT, STORE_OUTAGE, PlannedFault
 from chaos.scenario import JobSpec
+from monitors import exitcodes
 
 __all__ = ["DriverFired", "JobRun", "run_job"]
 
 _POLL_S = 0.1
 MAX_REQUEUES = 3  # starts of a job that keeps being preempted
-REQUEUE_EXIT = 75  # resilient_train.exitcodes.REQUEUE (not imported: resilient_train imports chaos)
+REQUEUE_EXIT = exitcodes.REQUEUE
 _DEFAULT_OUTAGE_S = 1.5
 
 

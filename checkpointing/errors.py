@@ -21,11 +21,12 @@ import errno
 import os
 from pathlib import Path
 
+from monitors import exitcodes
+
 __all__ = ["EXIT_DISK_FULL", "DiskFullError", "disk_full_error", "free_bytes", "is_disk_full"]
 
-# The exit code of a job stopped by a full disk: ENOSPC's number on Linux, distinct from the runtime's
-# others (1 gave up, 2 bad input, 16 persistent fault, 17 stopped by the rerun policy).
-EXIT_DISK_FULL = 28
+# The exit code of a job stopped by a full disk (monitors.exitcodes: the one table of codes).
+EXIT_DISK_FULL = exitcodes.DISK_FULL
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # Errors that crossed a process boundary (the writer process, the store) arrive as text.

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable
 
+from monitors import exitcodes
 from resilient_train.rerun.validators import Check, StepResult, ValidatorSet
 
 __all__ = [
@@ -37,8 +38,8 @@ __all__ = [
     "swap_assignment",
 ]
 
-EXIT_RERUN_ELSEWHERE = 16
-EXIT_VALIDATION_FAILED = 17
+EXIT_RERUN_ELSEWHERE = exitcodes.RERUN_ELSEWHERE
+EXIT_VALIDATION_FAILED = exitcodes.VALIDATION_FAILED
 
 
 class RerunMode(str, Enum):

@@ -1,4 +1,7 @@
-"""Exit codes of ranks and of the agent, in one table.
+"""Exit codes of ranks and of the agent, in one table: every package reads them here.
+
+(``monitors`` is the lowest layer: ``checkpointing``, ``chaos`` and ``resilient_train`` import it,
+so a code is written once; ``resilient_train.exitcodes`` is the same table.)
 
 =====  ======================================================================
 code   meaning
@@ -32,6 +35,6 @@ FAILED = 1
 BAD_INPUT = 2
 RERUN_ELSEWHERE = 16
 VALIDATION_FAILED = 17
-DISK_FULL = 28  # checkpointing.EXIT_DISK_FULL
+DISK_FULL = 28  # ENOSPC's number on Linux
 STOPPED = 93
 REQUEUE = 75  # EX_TEMPFAIL: preempted, resume by starting again
