@@ -42,6 +42,7 @@ class CheckpointConfig:
     timeout_s: float = 600.0  # bound on every wait of a save: writer, peers, commit
     store_prefix: str = "ckpt"
     console: bool = True  # rank 0 tells resume, fallback and a full disk on stderr too (not only in events)
+    piece_mb: float = 128.0  # a synchronous save (async_mode="disabled") holds at most this much on the host at once
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
@@ -65,6 +66,9 @@ class CheckpointConfig:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0 \
                 or self.timeout_s == float("inf"):
             raise ValueError(f"CheckpointConfig.timeout_s must be a finite number > 0, got {self.timeout_s!r}")
+        if isinstance(self.piece_mb, bool) or not isinstance(self.piece_mb, (int, float)) \
+                or not 0 < self.piece_mb <= 2**20:
+            raise ValueError(f"CheckpointConfig.piece_mb must be a number in (0, 1048576], got {self.piece_mb!r}")
         self.local_keys = tuple(self.local_keys)
         if not all(isinstance(k, str) and k for k in self.local_keys):
             raise ValueError(f"CheckpointConfig.local_keys must be non-empty strings, got {self.local_keys!r}")

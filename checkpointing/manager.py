@@ -32,7 +32,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,6 +50,7 @@ from checkpointing.manifest import MANIFEST_FILE, CheckpointError, Manifest, ver
 from checkpointing.retention import RetentionWorker, remove_leftovers
 from checkpointing.shards import Chunk, rank_share
 from checkpointing.staging import HostStager
+from checkpointing.streamed import write_streamed
 from checkpointing.state_files import local_prefix, read_verified
 from checkpointing.tree import Skeleton, fill_template, flatten_state
 from checkpointing.writer_process import WriterProcess
@@ -80,6 +81,10 @@ class _Job:
     version: int
     nbytes: int
     started: float
+    # A synchronous save (async disabled): the live tensors, written a piece at a time (checkpointing.streamed)
+    streamed: dict[str, Any] | None = None
+    abandoned: threading.Event = field(default_factory=threading.Event)  # the caller stopped waiting
+    written: threading.Event = field(default_factory=threading.Event)  # nothing reads the tensors any more
 
 
 class CheckpointManager:
@@ -192,6 +197,8 @@ class CheckpointManager:
                 raise DiskFullError(self._disk_full.message)
         self._coord.unskip(step)  # a step this rank skipped before and saves now
         started = time.monotonic()
+        if self.config.async_mode == AsyncMode.DISABLED:
+            return self._save_streamed(step, state, extras, started)
         self._writer.start()  # no-op once running; (re)starts a dead one without waiting for it
         tensors, tree, local_tree, chunks = self._share(state)
         handle = SaveHandle(step)
@@ -226,10 +233,32 @@ class CheckpointManager:
             handle.wait(self.config.timeout_s)
         return handle
 
+    def _save_streamed(self, step: int, state: dict[str, Any], extras: dict[str, Any], started: float) -> SaveHandle:
+        """A synchronous save: no staging copy, no writer process; the committer thread writes the live
+        tensors a piece at a time while this thread waits (so nothing changes them meanwhile)."""
+        tensors, tree, local_tree, chunks = self._share(state)
+        handle = SaveHandle(step)
+        self._inflight = handle
+        job = _Job(handle=handle, coord=self._coord, tree=tree,
+                   local_tree=local_tree if self.config.local_keys else None, chunks=chunks, extras=extras,
+                   cuda_event=None, version=-1, nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                   started=started, streamed=tensors)
+        self._jobs.put(job)
+        try:
+            handle.wait(self.config.timeout_s)
+        except TimeoutError:
+            # The caller goes on and may change the tensors: no piece may be written after this.
+            job.abandoned.set()
+            job.written.wait(self.config.timeout_s)
+            raise
+        return handle
+
     def prepare(self, state: dict[str, Any]) -> None:
         """Starts the writer and allocates the staging buffers for ``state``'s layout now,
         so that the first save costs one copy like every later one (call it at start-up)."""
         self._check_open()
+        if self.config.async_mode == AsyncMode.DISABLED:
+            return  # saves are streamed from the live tensors: nothing to allocate, no writer to start
         previous = self._inflight
         if previous is not None and not previous.phase.terminal:
             previous.wait(self.config.timeout_s)
@@ -378,14 +407,22 @@ class CheckpointManager:
             if tmp_dir.is_symlink():  # a link would have every rank write its shard wherever it points
                 raise OSError(f"{tmp_dir} is a symbolic link, not a directory this job created")
             files: dict[str, Any] = {}
-            if self._stager.buffers:
+            writers: dict[str, Any] = {}
+            if job.streamed is not None:
+                pieces = write_streamed(tmp_dir, job.streamed, rank=self.rank, world_size=self.world_size, step=step,
+                                        chunks=job.chunks, piece_bytes=int(self.config.piece_mb * 2**20), abandoned=job.abandoned)
+                writers = {str(w): f for w, f in pieces.items()}
+            elif self._stager.buffers:
                 files = self._writer.write(
                     step=step, directory=tmp_dir, layout=self._stager.describe(), version=job.version, timeout=timeout,
                     chunks=job.chunks,
                 )
-            report = {"files": files, "local_tree": job.local_tree}
+            report = {"files": files, "writers": writers, "local_tree": job.local_tree}
         except Exception as e:
             report = {"error": f"rank {self.rank}: {e}", "disk_full": is_disk_full(e)}
+        finally:
+            job.streamed = None  # the live tensors are not held past the write
+            job.written.set()
         coord.report(step, report)
         testhooks.crash_point("reported", step=step, rank=self.rank)
         if "error" in report and self.rank != 0:
@@ -420,7 +457,7 @@ class CheckpointManager:
                 final,
                 step=step,
                 world_size=self.world_size,
-                files_by_rank={r: rep["files"] for r, rep in reports.items() if rep["files"]},
+                files_by_rank=_files_by_writer(reports),
                 tree=job.tree or {"D": []},
                 local_trees={r: rep["local_tree"] for r, rep in reports.items() if rep["local_tree"] is not None},
                 extras=job.extras,
@@ -474,3 +511,13 @@ class CheckpointManager:
         check_move(MANAGER_MOVES, self._state, new)
         self._state = new
 
+
+def _files_by_writer(reports: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Each DCP writer's files: a rank's, or the pieces of a streamed save (numbered ``rank + k * world``)."""
+    files: dict[int, dict[str, Any]] = {}
+    for rank, report in reports.items():
+        if report["files"]:
+            files[int(rank)] = report["files"]
+        for writer, entries in (report.get("writers") or {}).items():
+            files[int(writer)] = entries
+    return files

@@ -138,3 +138,40 @@ def test_killed_writer_fails_one_save_and_the_next_one_works(tmp_path: Path) -> 
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-1", "step-3"]
     failed = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint_failed"]
     assert [e["step"] for e in failed] == [2]
+
+
+def test_a_synchronous_save_streams_pieces_from_the_live_tensors_with_no_writer_process(tmp_path: Path) -> None:
+    """async_mode="disabled": two real managers, each rank's share written a piece at a time from its own
+    tensors (piece_mb far below the state, so several pieces per rank, numbered apart across ranks), no
+    staging buffers and no writer process; the committed checkpoint loads back equal on both ranks."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30))
+
+    def client() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+
+    config = CheckpointConfig(directory=tmp_path / "ck", async_mode="disabled", local_keys=("rng",), timeout_s=60,
+                              piece_mb=300 / 2**20)  # 300 bytes: a piece per tensor or two
+    managers = [CheckpointManager(config, rank=r, world_size=2, store=client()) for r in range(2)]
+    states = [rank_state(5, r, scale=4) for r in range(2)]
+    phases: dict[int, SavePhase] = {}
+    try:
+        for m, state in zip(managers, states):
+            m.prepare(state)  # nothing to allocate for a streamed save
+        savers = [threading.Thread(target=lambda r=r: phases.update({r: managers[r].save(5, states[r]).phase}),
+                                   name=f"save-{r}") for r in range(2)]
+        for t in savers:
+            t.start()
+        for t in savers:
+            t.join(60)
+        assert phases == {0: SavePhase.COMMITTED, 1: SavePhase.COMMITTED}
+        assert all(m.writer_pid is None for m in managers)  # no writer process was started
+        assert all(not m._stager.buffers for m in managers)  # and no host copy of the state was staged
+        step = tmp_path / "ck" / "step-5"
+        writers = sorted(int(p.name.split("_")[2]) for p in step.glob("__*_0.distcp"))
+        assert len(writers) > 2 and len(set(w % 2 for w in writers)) == 2, writers  # pieces of both ranks
+        for r, m in enumerate(managers):
+            loaded, manifest = m.load(rank_state(0, r, scale=4))
+            assert manifest.step == 5 and diff_states(loaded, states[r]) is None
+    finally:
+        for m in managers:
+            m.close(60)

@@ -1,0 +1,9 @@
+"""The exit codes of ranks and of the agent: the table lives in :mod:`monitors.exitcodes`, which the lower
+packages (``checkpointing``, ``chaos``) read too."""
+
+from __future__ import annotations
+
+from monitors.exitcodes import (BAD_INPUT, DISK_FULL, FAILED, OK, REQUEUE, RERUN_ELSEWHERE, STOPPED,
+                                VALIDATION_FAILED)
+
+__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
