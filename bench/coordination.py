@@ -337,7 +337,7 @@ def _client(idx: int, cfg: BenchConfig, port: int, ranks: list[int], spares: lis
 
 
 def _server(conn: Any) -> None:
-    # The agent's kind of server (resilient_train.agent hosts it without libuv, on a socket it opened).
+    # The agent's kind of server (resilient_train.agent.storehost hosts it without libuv, on a socket it opened).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300),
                           use_libuv=False)
     attempt_store(job_store(store, TOKEN), 0).set("rt/generation", "0")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from chaos.png import GREEN, ORANGE, RED, PlotUnavailable, progress_plot
 
 if TYPE_CHECKING:
-    from chaos.runner import ScenarioResult
+    from chaos.result import ScenarioResult
 
 __all__ = ["write_report"]
 

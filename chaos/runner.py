@@ -2,43 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from chaos.driver import JobRun, run_job
-from chaos.reference import Reference, default_cache_dir, ensure_reference
+from chaos.driver import run_job
+from chaos.reference import default_cache_dir, ensure_reference
 from chaos.report import write_report
+from chaos.result import ScenarioResult
 from chaos.scenario import Scenario
-from chaos.schedule import PlannedFault
-from chaos.timeline import FaultTimeline, Progress, build_timelines, progress
-from chaos.verdict import Check, check_invariants
+from chaos.timeline import build_timelines, progress
+from chaos.verdict import check_invariants
 
 __all__ = ["ScenarioResult", "run_scenario"]
-
-
-@dataclass(kw_only=True)
-class ScenarioResult:
-    scenario: Scenario
-    out_dir: Path
-    plan: list[PlannedFault]
-    run: JobRun
-    reference: Reference | None
-    checks: list[Check] = field(default_factory=list)
-    timelines: list[FaultTimeline] = field(default_factory=list)
-    progress: Progress = field(default_factory=lambda: progress([], 0.0))
-    reference_progress: Progress | None = None
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.checks) and all(c.ok for c in self.checks)
-
-    def broken(self) -> list[str]:
-        return [c.name for c in self.checks if not c.ok]
-
-    def summary(self) -> str:
-        head = f"{self.scenario.name}: {'PASS' if self.ok else 'FAIL'}"
-        bad = [f"  {c.name}: {c.detail}" for c in self.checks if not c.ok]
-        return "\n".join([head, *bad, f"  report: {self.out_dir / 'report.md'}"])
 
 
 def _events(run_dir: Path) -> list[dict]:

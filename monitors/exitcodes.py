@@ -20,6 +20,12 @@ code   meaning
 93     stopped, do not requeue: a bug (an exception that reproduced on its
        replay, or a plain script's same crash in two attempts in a row with
        no progress between), a misuse of the runtime
+94     fenced: this node was declared lost (its agent stopped beating: its
+       host died, or the agent was stopped while its ranks ran on), so its
+       ranks left without taking part again; the job went on without this
+       node (a spare node took its place, or the node's next agent rejoins).
+       Its ranks exit 94 too. It is this node's fate, not the job's: the other
+       nodes' agents exit with the job's outcome (0 when it finished)
 128+N  the agent received signal N and forwarded it to a plain script's workers
 =====  ======================================================================
 
@@ -28,7 +34,7 @@ code   meaning
 
 from __future__ import annotations
 
-__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
+__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "FENCED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
 
 OK = 0
 FAILED = 1
@@ -37,4 +43,5 @@ RERUN_ELSEWHERE = 16
 VALIDATION_FAILED = 17
 DISK_FULL = 28  # ENOSPC's number on Linux
 STOPPED = 93
+FENCED = 94  # this node was declared lost and fenced out; the job went on without it
 REQUEUE = 75  # EX_TEMPFAIL: preempted, resume by starting again

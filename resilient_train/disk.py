@@ -26,6 +26,7 @@ from monitors import EventLog
 from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
 from resilient_train.dcp_state import DCP_FORM, FORM_KEY, Suspend, dcp_state_dict, dcp_targets, load_dcp_state, saveable
 from resilient_train.errors import UsageError
+from resilient_train.fence import check_fence
 from resilient_train.store import Keys, wait_until
 from resilient_train.train_state import TrainState
 
@@ -65,6 +66,7 @@ class DiskCheckpoints:
         self.run_dir = run_dir
         self._prepared = False
         self._close_by: float | None = None  # after a preemption's save: close() waits no later (monotonic)
+        self._store: dist.Store | None = None  # the generation's store, for the fence check
         # Re-pointed at each generation's keys by on_generation.
         self._manager = CheckpointManager(
             config, rank=rank, world_size=world_size, store=dist.PrefixStore("rt/ckpt-unused", store), events=events,
@@ -74,6 +76,7 @@ class DiskCheckpoints:
     def on_generation(self, store: dist.Store, generation: int) -> None:
         # Saves of a failed generation never mix their reports with the next one's.
         # A save that loses a rank fails at once for the others: the generation was declared failed.
+        self._store = store
         self._manager.set_store(dist.PrefixStore(Keys.gen_scope(generation, "ckpt"), store),
                                 cancelled=lambda: store.check([Keys.fault(generation)]))
 
@@ -97,6 +100,8 @@ class DiskCheckpoints:
         ``required`` (the last step's save): never skipped for a save still in flight (waited for at most
         ``wait_s``).
         """
+        if self._store is not None:
+            check_fence(self._store, "checkpoint")  # a lost node's rank writes nothing (resilient_train.fence)
         extras: dict[str, Any] = {FORM_KEY: DCP_FORM} if self.sharded else {}
         if self.rank == 0 and self.run_dir is not None:  # rank 0 writes the manifest
             monitors = read_monitor_state(self.run_dir)

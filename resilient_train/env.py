@@ -14,6 +14,8 @@ __all__ = [
     "RT_CHAOS",
     "RT_GENERATION",
     "RT_JOB_TOKEN",
+    "RT_NODE",
+    "RT_NODE_INCARNATION",
     "RT_REPRODUCIBLE",
     "RT_ROLE",
     "RT_RUN_DIR",
@@ -39,6 +41,8 @@ RT_GENERATION = "RT_GENERATION"  # the generation the worker was spawned into
 RT_ROLE = "RT_ROLE"  # "initial" or "replacement"
 RT_CHAOS = "RT_CHAOS"  # JSON list of faults to inject (see chaos.faults)
 RT_SPAWNED_AT = "RT_SPAWNED_AT"  # wall-clock time the agent started (or assigned) the worker
+RT_NODE = "RT_NODE"  # many nodes: the node the worker's agent serves
+RT_NODE_INCARNATION = "RT_NODE_INCARNATION"  # many nodes: that agent's incarnation of the node (resilient_train.fence)
 RT_JOB_TOKEN = "RT_JOB_TOKEN"  # the job's secret: its keys in the store live under a namespace derived from it
 RT_TEST_CORRUPT_BUDDY = "RT_TEST_CORRUPT_BUDDY"  # tests: "RANK@STEP" flips a bit of the buddy copy RANK receives at STEP
 RT_REPRODUCIBLE = "RT_REPRODUCIBLE"  # "1": SupervisorConfig(reproducible=True) by default (the chaos runner sets it)

@@ -3,7 +3,7 @@ packages (``checkpointing``, ``chaos``) read too."""
 
 from __future__ import annotations
 
-from monitors.exitcodes import (BAD_INPUT, DISK_FULL, FAILED, OK, REQUEUE, RERUN_ELSEWHERE, STOPPED,
-                                VALIDATION_FAILED)
+from monitors.exitcodes import (BAD_INPUT, DISK_FULL, FAILED, FENCED, OK, REQUEUE, RERUN_ELSEWHERE,
+                                STOPPED, VALIDATION_FAILED)
 
-__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
+__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "FENCED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]

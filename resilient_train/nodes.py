@@ -15,9 +15,13 @@ With no spare, the lost node's own agent may come back (a scheduler restarting
 it): it registers a new incarnation and starts its ranks as replacements.
 Otherwise the survivors' join times out and the job stops with the reason.
 
+The claim (``NodeKeys.lost``) is also the node's fence: a rank of that
+incarnation that reads it leaves (resilient_train.fence), and the node's next
+agent starts its ranks once they acknowledged (``NodeKeys.fenced``).
+
 Node 0's loss takes the store with it: every other agent sees its store calls
-fail, says so, and exits 1 (start the job again: it resumes from its newest
-checkpoint).
+fail (or run past their deadline, resilient_train.agent.boundedstore), says
+so, and exits 1 (start the job again: it resumes from its newest checkpoint).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class NodeKeys:
     @staticmethod
     def lost(node: int, incarnation: int) -> str:
         return f"rt/node/{node}/{incarnation}/lost"
+
+    @staticmethod
+    def fenced(node: int, incarnation: int, rank: int) -> str:
+        return f"rt/node/{node}/{incarnation}/fenced/{rank}"  # a rank of a lost incarnation saw its fence, and left
 
     @staticmethod
     def done(node: int) -> str:

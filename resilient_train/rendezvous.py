@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
+from resilient_train.fence import check_fence
 from resilient_train.generation import Membership, ResumePlan, RunFinished, join_generation
 from resilient_train.store import Keys, current_generation, fail_join, interrupt_generation, read_stop, report_fault
 
@@ -56,6 +57,7 @@ def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Mem
     stop failed its join first). The rank joins it straight away: a run that finished or stopped settles it
     as FAILED, and the join looks then.
     """
+    check_fence(store, "join")  # a rank of a node declared lost never joins again (resilient_train.fence)
     if moved_to is None and store.check([Keys.FINAL]):
         raise RunFinished()
     return join_generation(store, world_size=world_size, me=me, timeout=timeout,

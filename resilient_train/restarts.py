@@ -59,16 +59,19 @@ class RestartPolicy:
         self._last: Failure | None = None
         self._last_step = -1  # the highest step any rank reported when the last attempt failed
 
+    def judge(self, failure: Failure, *, reported_step: int) -> Decision:
+        """What :meth:`decide` would answer, changing nothing (the agent's decision function asks this)."""
+        if failure.same_as(self._last) and reported_step <= self._last_step:
+            return Decision.REPEATED
+        return Decision.BUDGET if self.restarts >= self.max_restarts else Decision.RESTART
+
     def decide(self, failure: Failure, *, reported_step: int) -> Decision:
         """``reported_step``: the highest step any rank of this attempt reported (-1: none reported)."""
-        repeated = failure.same_as(self._last) and reported_step <= self._last_step
+        decision = self.judge(failure, reported_step=reported_step)
         self._last, self._last_step = failure, max(self._last_step, reported_step)
-        if repeated:
-            return Decision.REPEATED
-        if self.restarts >= self.max_restarts:
-            return Decision.BUDGET
-        self.restarts += 1
-        return Decision.RESTART
+        if decision is Decision.RESTART:
+            self.restarts += 1
+        return decision
 
 
 class ExitClock:

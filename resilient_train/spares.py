@@ -56,7 +56,7 @@ STALE_CHECK_S = 1.0
 
 # Set at the handover: they name the rank, its generation or its files, and nothing reads them at import.
 LATE_KEYS = frozenset({E.RANK, E.LOCAL_RANK, E.GROUP_RANK, "ROLE_RANK", E.RT_GENERATION, E.RT_ROLE,
-                       E.RT_SPAWNED_AT, "TORCHELASTIC_ERROR_FILE"})
+                       E.RT_SPAWNED_AT, "TORCHELASTIC_ERROR_FILE", E.RT_NODE, E.RT_NODE_INCARNATION})
 
 
 def spare_env(worker_env: dict[str, str]) -> dict[str, str]:
@@ -239,6 +239,11 @@ class SparePool:
 
     def poll(self) -> None:
         """Notes spares that died or went stale, and starts the next one when it is due."""
+        self.note()
+        self.start_next()
+
+    def note(self) -> None:
+        """Notes spares that died or went stale (and gives them up); starts nothing."""
         now = time.monotonic()
         stale_check = now - self._checked_at >= STALE_CHECK_S
         if stale_check:
@@ -258,7 +263,16 @@ class SparePool:
                 self._slots[i] = None
                 self._emit("spare_stale", pid=spare.proc.pid)
                 spare.close()
-        self._start_next()
+
+    def due(self) -> bool:
+        """A spare should start now: an empty slot, none warming, none within the pause after a handover."""
+        return (self.enabled and self._failures < FAILURES_BEFORE_OFF and time.monotonic() >= self._due
+                and any(s is None for s in self._slots)
+                and not any(s is not None and s.state is SpareState.WARMING for s in self._slots))
+
+    def start_next(self) -> Spare | None:
+        """Starts one spare into the first empty slot, if :meth:`due`."""
+        return self._start_next()
 
     def _note(self, spare: Spare) -> None:
         if spare.state is SpareState.READY and not spare.announced:
@@ -286,8 +300,7 @@ class SparePool:
 
     def _start_next(self) -> Spare | None:
         """Starts one spare into the first empty slot, if due and none is warming."""
-        if (not self.enabled or self._failures >= FAILURES_BEFORE_OFF or time.monotonic() < self._due
-                or any(s is not None and s.state is SpareState.WARMING for s in self._slots)):
+        if not self.due():
             return None
         for i, spare in enumerate(self._slots):
             if spare is None:

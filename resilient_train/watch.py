@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from resilient_train.fence import check_fence
 from resilient_train.store import Keys
 
 __all__ = ["GenerationWatcher"]
@@ -136,6 +137,12 @@ class GenerationWatcher:
                     # itself), or it moved past it: wait for watch().
                     spent = target
                     continue
+                # A lost node's ranks learn it here, whatever the main thread is doing (resilient_train.fence):
+                # the claim of the loss is set before the generation fails, which woke this thread.
+                try:
+                    check_fence(self._store, "woken")
+                except Exception:  # noqa: BLE001  (the store went: the join will say so)
+                    pass
                 self.next_generation = target + 1
                 self.moved.set()
             try:

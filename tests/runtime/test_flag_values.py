@@ -65,7 +65,7 @@ ROWS: dict[tuple[tuple[str, ...], str], object] = {
     (("run",), "--job-token-file"): ("/nonexistent/token", DIR, OPEN_TOKEN, SHORT_TOKEN),
     (("run",), "--node-timeout"): (*NUMBERS, "0"),
     (("run",), "--max-replacements"): ("abc", "-1"),
-    (("run",), "--spares"): ("abc", "-1", "65"),
+    (("run",), "--spares"): ("abc", "-1", "65", "1.5"),
     (("run",), "--chaos"): ("{", '[{"kind": "melt", "rank": 0, "phase": "forward"}]',
                             '[{"kind": "slow", "rank": 0, "phase": "forward", "duration_s": 1e308}]'),
     (("run",), "--monitor-config"): ("/nonexistent.yaml", DIR),

@@ -157,6 +157,95 @@ def test_a_lost_node_without_a_spare_comes_back_and_the_run_is_bitwise(cluster_f
     assert d.returncode == 0, d.stdout + d.stderr
 
 
+def _live(pid: int) -> bool:
+    """``pid`` runs (a zombie does not: its parent, a stopped agent, cannot reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != b"Z"
+
+
+class RankCensus:
+    """Counts, every 50 ms on a thread, the live processes of each rank (their pids from run_start events)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        import threading
+
+        self.cluster, self.most = cluster, 0
+        self.overlaps: list[tuple[int, list[int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rank-census", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            pids: dict[int, set[int]] = {}
+            for e in self.cluster.events():
+                if e["event"] == "run_start":
+                    pids.setdefault(e["rank"], set()).add(e["pid"])
+            for rank, ps in pids.items():
+                live = sorted(p for p in ps if _live(p))
+                self.most = max(self.most, len(live))
+                if len(live) > 1:
+                    self.overlaps.append((rank, live))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_agents_node_is_fenced_before_the_spare_replaces_it_and_every_agent_says_what_happened(
+        cluster_factory, references, tmp_path):
+    """Node 1's agent is SIGSTOPped while its ranks run on (issue 26 item 5): node 1 is declared lost, its ranks
+    see their fence through the store and leave (exit 94) before the spare's replacements start, so no rank
+    has two processes at any time; the job finishes bitwise; node 0 and the spare exit 0, and the stopped agent,
+    woken after the job ended, exits 94 (fenced).
+
+    Rank 2's main thread blocks at step 8 (its other threads run), so the job waits for the fence whatever the
+    machine's speed: only the stopped agent would have killed it as hung, and node 0's agent must not kill its
+    own ranks, which wait on rank 2, before the loss (a hang floor of 60 s)."""
+    monitor = tmp_path / "monitor.json"
+    monitor.write_text(json.dumps({"hang": {"min_timeout": 60.0}, "metrics": {"prometheus": False}}))
+    c = cluster_factory(nnodes=2, steps=40, node_timeout=2.0, agent_args=["--monitor-config", str(monitor)],
+                        chaos=[{"kind": "block", "rank": 2, "step": 8, "phase": "forward"}])
+    c.start("node0", node_rank=0)
+    c.start("node1", node_rank=1)
+    c.start("spare", spare=True)
+    c.wait_event(lambda e: e["event"] == "spare_ready" and e["source"] == "agent-spare" and e["ready"] == NPROC)
+    c.wait_event(lambda e: e["event"] == "step_done" and e["step"] >= 4)
+    stale = {e["rank"]: e["pid"] for e in c.events() if e["event"] == "run_start" and e["rank"] in (2, 3)}
+    census = RankCensus(c)
+    try:
+        os.kill(c.agents["node1"].pid, signal.SIGSTOP)  # only the agent: its ranks go on
+        for name in ("node0", "spare"):
+            job = c.wait(name, timeout=200)
+            assert job.returncode == 0, f"{name}: {job.stderr[-3000:]}"
+    finally:
+        census.close()
+        os.kill(c.agents["node1"].pid, signal.SIGCONT)
+    woken = c.wait("node1", timeout=60)
+    assert woken.returncode == 94, woken.stderr[-3000:]
+    assert census.most == 1 and not census.overlaps, census.overlaps
+    ev = c.events()
+    [lost] = [e for e in ev if e["event"] == "node_lost"]
+    assert (lost["node"], lost["incarnation"], lost["spare"]) == (1, 1, 0)
+    fenced = {e["rank"]: e for e in ev if e["event"] == "fenced"}
+    assert {r: e["pid"] for r, e in fenced.items()} == stale  # the stopped node's own ranks, and only they
+    assert fenced[2]["where"] == "woken"  # its main thread was blocked: its watcher learned of the fence
+    [acked] = [e for e in ev if e["event"] == "node_fenced"]
+    assert (acked["source"], acked["left"], acked["missing"]) == ("agent-spare", [2, 3], [])
+    spawned = [e for e in ev if e["event"] == "worker_spawned" and e["source"] == "agent-spare"]
+    assert sorted(e["rank"] for e in spawned) == [2, 3]
+    assert max(e["time"] for e in fenced.values()) <= acked["time"] <= min(e["time"] for e in spawned)
+    assert not [e for e in ev if e["event"] == "fault_detected" and e["source"].startswith("agent")]  # none killed
+    [end] = [e for e in ev if e["event"] == "agent_end" and e["source"] == "agent1"]
+    assert (end["reason"], end["exit_code"]) == ("fenced", 94)
+    d = ckpt_diff(references.get(4, 40), c.run_dir / "final")
+    assert d.returncode == 0, d.stdout + d.stderr
+
+
 @pytest.mark.timeout(200)
 def test_losing_node_0_takes_the_store_and_the_others_stop_saying_so(cluster_factory):
     """Node 0 (the store's host) is killed: node 1's agent exits 1 within the node timeout plus 5 s, and its
@@ -175,6 +264,24 @@ def test_losing_node_0_takes_the_store_and_the_others_stop_saying_so(cluster_fac
     said = [line for line in lines if "lost the store on 127.0.0.1" in line and "node 0's agent is gone" in line]
     assert len(said) == 1 and len(lines) <= 1 + NPROC, lines
     assert "frame #" not in job.stderr and "Traceback" not in job.stderr, job.stderr[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_a_stopped_node_0_ends_the_other_agents_by_their_store_deadline(cluster_factory):
+    """Node 0's agent, which hosts the store, is SIGSTOPped: its connections stay open and silent, so c10d's
+    client calls would block for ever. Node 1's agent ends by its calls' deadline (resilient_train.agent.
+    boundedstore: 5 s here), kills its ranks, and exits 1 with one line."""
+    c = cluster_factory(nnodes=2, steps=400)
+    c.start("node0", node_rank=0)
+    c.start("node1", node_rank=1)
+    c.wait_event(lambda e: e["event"] == "step_done" and e["step"] >= 4)
+    ranks = [e["pid"] for e in c.events() if e["event"] == "run_start" and e["rank"] in (2, 3)]
+    os.kill(c.agents["node0"].pid, signal.SIGSTOP)
+    job = c.wait("node1", timeout=60)  # without the deadline it never ends
+    assert job.returncode == 1, job.stderr[-3000:]
+    said = [line for line in console_lines(job.stderr) if "lost the store on 127.0.0.1" in line]
+    assert len(said) == 1 and "does not answer" in said[0] and "did not answer a" in said[0], job.stderr[-3000:]
+    assert not [p for p in ranks if _live(p)]  # its ranks went with it
 
 
 SLOW = "RESILIENT_TRAIN_CKPT_SLOW_WRITE"  # checkpointing.testhooks: the writer sleeps before a step's save

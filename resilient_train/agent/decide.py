@@ -1,0 +1,177 @@
+"""The agent's decisions, in one place: each poller's event, with a frozen view of the agent, to one decision.
+
+Nothing here acts or reads the store: the events carry what their pollers
+read, and :class:`View` what the agent knows (its state, its workers, its
+budgets). The loop carries the decision out. The rules, by event:
+
+* a worker exited: 0 is done; a rank that stopped the job (exit 93, or any
+  failure once the job's stop key is set), 17 (the rerun policy) stop it here
+  too; 75 is a preemption its ranks began; any other failure after the run's
+  final state is committed is ignored; a Supervisor rank is replaced in place
+  (within ``--max-replacements``); a plain script's workers are all restarted,
+  torchrun's way, within ``--max-restarts`` (resilient_train.restarts: the
+  first to exit is blamed, the same crash twice without progress stops it);
+* a rank hung (or a straggler, under the "replace" policy): killed, a hung
+  one after its stacks are dumped;
+* a node lost: claimed (the first claimer hands it to a spare);
+* a signal, or another node's: the shutdown (resilient_train.shutdown);
+* every worker succeeded: leave the job with 0;
+* this node declared lost while its agent lived (its own loss key, or a rank
+  that exited FENCED): fenced, exit 94 (resilient_train.fence);
+* the store lost: 94 if this node had been fenced, 0 if it had finished,
+  else give up with exit 1.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from resilient_train import exitcodes
+from resilient_train.agent.events import (
+    AllSucceeded, ClaimNode, Decision, EnableSpares, End, Event, Fail, Fence, Fenced, Ignore, JobEnded, Kill,
+    KillDumped, Leave,
+    MarkSucceeded, MonitorStateDue, MonitorStateOffered, NodeAssigned, NodeLost, PeerStopping, RankHung, Replace,
+    RestartAll, SaveMonitorState, ShutDown, Signalled, SpareDue, StacksDue, StartSpare, StopJob, StoreLost,
+    SupervisedSeen, TakeNode, TakeOffer, WorkerExited,
+)
+from resilient_train.agent.state import AgentState
+from resilient_train.restarts import Decision as Restart
+from resilient_train.restarts import Failure, RestartPolicy
+
+__all__ = ["View", "blame", "decide"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class View:
+    """What a decision may look at: a copy of the agent's state, taken before each event."""
+
+    state: AgentState
+    nnodes: int = 1
+    hosting: bool = True  # node 0's agent: the store lives in this process
+    store_address: str = "127.0.0.1:0"
+    pids: Mapping[int, int] = field(default_factory=dict)  # rank -> the pid of its running worker
+    killing: frozenset[int] = frozenset()  # ranks already being killed (a hang, a straggler)
+    replacements: int = 0
+    max_replacements: int = 10
+    max_restarts: int = 0
+    attempt: int = 0  # restarts of every worker so far
+    restart_policy: RestartPolicy = field(default_factory=lambda: RestartPolicy(0))  # asked, never changed here
+    reported_step: int = -1  # the highest step a rank of this attempt reported
+    finished: bool = False  # every worker of this node exited 0
+
+
+def decide(view: View, event: Event) -> Decision:
+    """The one decision for ``event``."""
+    if isinstance(event, WorkerExited):
+        return _worker_exited(view, event)
+    if isinstance(event, RankHung):
+        if view.pids.get(event.rank) != event.pid or event.rank in view.killing:
+            return Ignore(why=f"rank {event.rank} is already gone or being killed")
+        return Kill(rank=event.rank, pid=event.pid, cause=event.cause, dump_stacks=event.cause["kind"] == "hang")
+    if isinstance(event, StacksDue):
+        return KillDumped(rank=event.rank)
+    if isinstance(event, NodeLost):
+        return ClaimNode(node=event.node, incarnation=event.incarnation)
+    if isinstance(event, Signalled):
+        if view.state is AgentState.WAITING_FOR_NODE:  # a spare that took no node: the job goes on
+            name = signal.Signals(event.signum).name
+            return End(exit_code=128 + event.signum, reason="signalled while spare",
+                       line=f"received {name}: this spare node agent leaves; the job goes on")
+        return ShutDown(signum=event.signum, signalled=True)
+    if isinstance(event, PeerStopping):
+        return ShutDown(signum=event.signum, signalled=False)
+    if isinstance(event, AllSucceeded):
+        return Leave(exit_code=exitcodes.OK)
+    if isinstance(event, SupervisedSeen):
+        return EnableSpares()
+    if isinstance(event, SpareDue):
+        return StartSpare()
+    if isinstance(event, StoreLost):
+        return _store_lost(view, event)
+    if isinstance(event, Fenced):
+        # Declared lost after its ranks had finished (it was stopped at the end): it did its part.
+        return Leave(exit_code=exitcodes.OK) if view.finished else Fence(how=event.how)
+    if isinstance(event, NodeAssigned):
+        return TakeNode(node=event.node)
+    if isinstance(event, JobEnded):
+        if event.preempted:  # the job is requeued, and so is this spare
+            return End(exit_code=exitcodes.REQUEUE, reason="preempted", spare_unused=True,
+                       line=f"the job was preempted before it needed this spare node (exit code {exitcodes.REQUEUE})")
+        return End(exit_code=exitcodes.OK, reason="finished", spare_unused=True,
+                   line="the job ended without needing this spare node")
+    if isinstance(event, MonitorStateDue):
+        return SaveMonitorState()
+    if isinstance(event, MonitorStateOffered):
+        return TakeOffer()
+    raise AssertionError(f"no decision for {event!r}")
+
+
+def _worker_exited(view: View, e: WorkerExited) -> Decision:
+    if view.pids.get(e.rank) != e.pid:
+        return Ignore(why=f"rank {e.rank}'s worker {e.pid} was replaced meanwhile")  # a restart of every worker
+    if e.rc == 0:
+        return MarkSucceeded(rank=e.rank)
+    if e.rc == exitcodes.FENCED:
+        # It saw its node declared lost (resilient_train.fence): so was this agent, stopped meanwhile.
+        return Fence(how=f"rank {e.rank} found its node declared lost and left")
+    if e.rc == exitcodes.STOPPED or e.stop is not None:
+        # A rank stopped the job (a bug that reproduced, a misuse, a full disk): nothing to replace.
+        stop = e.stop or {"summary": f"rank {e.rank} exited with code {e.rc}"}
+        return StopJob(rank=e.rank, rc=e.rc, exit_code=int(stop.get("exit_code", exitcodes.STOPPED)),
+                       reason=f"rank {stop.get('rank', e.rank)} stopped it: {stop.get('summary')}")
+    if e.rc == exitcodes.REQUEUE:
+        # Preempted: every rank stopped at one boundary after its checkpoint (resilient_train.preempt).
+        return ShutDown(signum=None, signalled=False, preempted_rank=e.rank)
+    if e.rc == exitcodes.VALIDATION_FAILED:
+        # The rerun policy stopped the job after saving the last good state: not a rank to replace.
+        return StopJob(rank=e.rank, rc=e.rc, exit_code=e.rc, reason="the rerun policy stopped the job")
+    failure = e.failure
+    assert failure is not None, "a failed worker carries its failure"
+    if e.final:
+        return MarkSucceeded(rank=e.rank, after_final=failure)  # the run is over whatever happens now
+    if e.supervised:
+        if view.replacements + 1 > view.max_replacements:
+            return Fail(message=f"rank {e.rank} died ({failure.how}) and the replacement budget "
+                        f"({view.max_replacements}, --max-replacements) is spent", exit_code=exitcodes.FAILED,
+                        failure=failure)
+        return Replace(failure=failure)
+    if view.nnodes > 1:
+        return Fail(message=f"{failure.describe()}; restarting every worker of a plain script across nodes is not "
+                    "supported yet (the Supervisor's ranks are replaced in place on any node)",
+                    exit_code=exitcodes.FAILED, failure=failure)
+    said = blame(failure, e.followed)
+    verdict = view.restart_policy.judge(failure, reported_step=view.reported_step)
+    if verdict is Restart.REPEATED:
+        return Fail(message=f"{said}, the same failure as attempt {view.attempt - 1} with no progress in between: "
+                    "a bug, not a fault; not restarting", exit_code=exitcodes.STOPPED, failure=failure,
+                    restart_decision=verdict.value, followed=e.followed)
+    if verdict is Restart.BUDGET:
+        budget = view.max_restarts
+        return Fail(message=f"{said}; " + ("no restarts allowed (--max-restarts 0)" if budget == 0 else
+                                           f"the restart budget ({budget}, --max-restarts) is spent"),
+                    exit_code=exitcodes.FAILED, failure=failure, restart_decision=verdict.value, followed=e.followed)
+    return RestartAll(failure=failure, followed=e.followed, blame=said)
+
+
+def blame(failure: Failure, followed: tuple[Failure, ...]) -> str:
+    """Who is to blame, in one line: the first to exit, and those that followed it."""
+    hung = [o.rank for o in followed if o.kind == "hang"]
+    if failure.kind == "hang" and hung:
+        # Hung together: a rank waiting in a collective on a hung peer looks the same from outside.
+        ranks = ", ".join(str(r) for r in sorted([failure.rank, *hung]))
+        return f"ranks {ranks} hung ({failure.summary})"
+    others = [f"rank {o.rank} ({o.how})" for o in followed]
+    return failure.describe() + (f"; {', '.join(others)} followed" if others else "")
+
+
+def _store_lost(view: View, e: StoreLost) -> Decision:
+    if e.fenced:  # the store went after this node had been declared lost: the job went on without it
+        return Fence(how="its ranks found it declared lost; the store is gone since")
+    if e.finished:
+        # The job's end came before the store went (node 0's agent closed it once done): nothing was lost.
+        return End(exit_code=exitcodes.OK, reason="finished", line=None)
+    who = "this agent's own store failed" if view.hosting else "node 0's agent is gone or does not answer"
+    return Fail(message=f"lost the store on {view.store_address} ({who}): stopping; start the job again to "
+                f"resume from its newest checkpoint ({e.error[:120]})", exit_code=exitcodes.FAILED)

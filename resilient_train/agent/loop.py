@@ -1,0 +1,375 @@
+"""The node agent behind ``resilient-train run``: its policies composed, and the one loop that drives them.
+
+It hosts the coordination store (so any rank, rank 0 included, may die),
+spawns one worker per local rank with torchrun's environment, and watches
+them. A supervised worker that dies is replaced in place: the agent declares
+its generation failed (the survivors roll back and wait) and hands the rank to
+a warm spare. A script that does not use the supervisor gets torchrun's
+behaviour instead: every worker is restarted, within ``--max-restarts``, on a
+fresh store on the same port (resilient_train.restarts says when it stops
+early, and whom it blames). Every worker's output passes through the agent
+(resilient_train.workerio).
+
+Each policy is a module of this package (the store, the workers, hangs,
+monitor state, many nodes, signals, the ending); each poller returns events
+(resilient_train.agent.events), :func:`~resilient_train.agent.decide.decide`
+turns each into one decision, and :meth:`Agent._act` carries it out, moving
+the agent's one state value (resilient_train.agent.state) as it goes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch.distributed as dist
+
+from monitors import EventLog, NodeMonitor
+from monitors.dashboard.server import DashboardServer
+from resilient_train.agent import events as ev
+from resilient_train.agent.config import AgentConfig
+from resilient_train.agent.decide import View, decide
+from resilient_train.agent.ending import Ending
+from resilient_train.agent.hangs import HangPolicy
+from resilient_train.agent.membership import Membership
+from resilient_train.agent.monitorstate import MonitorState
+from resilient_train.agent.recovery import Recovery
+from resilient_train.agent.signals import SignalTrap
+from resilient_train.agent.state import AgentError, AgentLifecycle, AgentState
+from resilient_train.agent.storehost import StoreHost
+from resilient_train.agent.workers import Workers, WorkerState
+from resilient_train import env as E
+from resilient_train import exitcodes
+from resilient_train.entry import Entry
+from resilient_train.rundir import RunDirError, take_run_dir
+from resilient_train.spares import SparePool, spare_env
+from resilient_train.store import Keys, current_generation
+from resilient_train.workerio import Console
+
+__all__ = ["Agent"]
+
+Poller = Callable[[], Iterable[ev.Event]]
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = c = config
+        assert config.entry is not None
+        self.entry: Entry = config.entry
+        self.run_dir = Path(config.run_dir)
+        self.lifecycle = AgentLifecycle()
+        hosting = c.node_rank == 0 and not c.spare
+        # Private to its owner, no links where the runtime writes, and locked for this job's life:
+        # a second job on the same run directory is refused (resilient_train.rundir).
+        lock = ".lock" if hosting or c.nnodes == 1 else (f".lock.spare-{os.getpid()}" if c.spare
+                                                         else f".lock.node{c.node_rank}")
+        try:
+            self._run_dir_lock = take_run_dir(self.run_dir, name=lock)
+        except RunDirError as e:
+            raise AgentError(str(e)) from None
+        self._dashboard: DashboardServer | None = None
+        if c.dashboard is not None:
+            try:  # binds now, before anything else starts: a port in use is bad input
+                self._dashboard = DashboardServer(self.run_dir, c.dashboard)
+            except ValueError as e:
+                raise AgentError(str(e)) from None
+        self.events = EventLog(self.run_dir / "events.jsonl", source=c.source)
+        self.console = Console()
+        self.host = StoreHost(c)
+        self.hangs = HangPolicy(c.monitor, self.run_dir, events=self.events, say=self._say)
+        self.persist = MonitorState(self.run_dir, every_s=c.monitor_state_every_s, events=self.events, say=self._say)
+        self._watch_node(waiting=c.spare)
+        self.membership = Membership(c, events=self.events, say=self._say) if c.nnodes > 1 else None
+        self.workers = Workers(c, self.entry, run_dir=self.run_dir, events=self.events, console=self.console)
+        self.recovery = Recovery(c, self.lifecycle, workers=self.workers, hangs=self.hangs, host=self.host,
+                                 events=self.events, say=self._say,
+                                 spawn=lambda rank, g, replacement: self._spawn(rank, g, replacement=replacement))
+        self.spares = self._spare_pool()
+        self.signals = SignalTrap(c.signals, self.console)
+        self.ending = Ending(c, self.lifecycle, workers=self.workers, events=self.events, say=self._say,
+                             membership=self.membership, hosting=self.host.hosting)
+
+    # ------------------------------------------------------------ the view
+    @property
+    def state(self) -> AgentState:
+        return self.lifecycle.state
+
+    @property
+    def store(self) -> dist.Store:
+        return self.host.store
+
+    @property
+    def port(self) -> int:
+        return self.host.port
+
+    @property
+    def monitor(self) -> NodeMonitor:
+        assert self.hangs.monitor is not None
+        return self.hangs.monitor
+
+    @property
+    def restarts(self) -> int:
+        """Restarts of every worker plus in-place replacements."""
+        return self.recovery.restarts
+
+    def view(self) -> View:
+        c = self.config
+        return View(state=self.state, nnodes=c.nnodes, hosting=self.host.hosting, store_address=self.host.address,
+                    pids={w.rank: w.proc.pid for w in self.workers},
+                    killing=frozenset(w.rank for w in self.workers if w.cause is not None),
+                    replacements=self.recovery.replacements, max_replacements=c.max_replacements,
+                    max_restarts=c.max_restarts, attempt=self.host.attempt, restart_policy=self.recovery.policy,
+                    reported_step=self.hangs.reported_step, finished=self.workers.all_succeeded())
+
+    # ------------------------------------------------------------- the run
+    def run(self) -> int:
+        c = self.config
+        self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=self.entry.target,
+                         entry=self.entry.kind.value, args=c.script_args)
+        self._announce()
+        if self._dashboard is not None:
+            self._dashboard.start()
+        if self.entry.mentions_runtime() and self.spares is not None:
+            # A Supervisor job: the spare imports torch first, alone. The ranks starting beside it would
+            # slow its import several-fold, and a fault early in the run would find it still cold.
+            if c.spare:
+                self.spares.enable()  # a spare node has no ranks yet: it warms its spares while it waits
+            else:
+                self.spares.warm_first(wait_ready_s=30.0)
+        self.signals.install()
+        try:
+            self._guarded(self._begin)
+            while not self.state.terminal:
+                self._guarded(self._look)
+                if not self.state.terminal:
+                    time.sleep(c.monitor_interval_s)
+            assert self.lifecycle.exit_code is not None
+            return self.lifecycle.exit_code
+        except AgentError as e:
+            self.lifecycle.fail(e)
+            self.events.emit("agent_end", ok=False, reason=str(e), exit_code=e.exit_code, restarts=self.restarts)
+            raise
+        finally:
+            self.signals.restore()
+            self.close()
+
+    def _begin(self) -> None:
+        if self.config.spare:
+            assert self.membership is not None
+            self.lifecycle.to(AgentState.WAITING_FOR_NODE)
+            self.membership.wait_as_spare(self.store)
+        else:
+            self._start_node()
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        """Runs one step of the loop; a store that fails under it is one more event (StoreLost)."""
+        try:
+            step()
+        except dist.DistError as e:
+            error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            codes = [w.proc.poll() for w in self.workers]  # how this node's part ended, if it did
+            self._act(decide(self.view(), ev.StoreLost(error=error, finished=bool(codes) and set(codes) == {0},
+                                                       fenced=exitcodes.FENCED in codes)))
+
+    def _look(self) -> None:
+        """One look at everything this state watches: each event is decided and acted on as it comes."""
+        for poller in self._pollers():
+            for event in poller():
+                self._act(decide(self.view(), event))
+                if self.state.terminal:
+                    return
+
+    def _pollers(self) -> list[Poller]:
+        if self.state is AgentState.WAITING_FOR_NODE:
+            return [self.signals.poll, self._poll_assignment, self._poll_spares]
+        return [self.signals.poll, self._poll_peers, lambda: self.workers.poll(self.store),
+                lambda: self.hangs.poll(list(self.workers)), self.persist.poll, self._poll_nodes,
+                self._poll_supervised, self._poll_spares, self._poll_done]
+
+    # ------------------------------------------------------------- pollers
+    def _poll_peers(self) -> list[ev.PeerStopping]:
+        signum = self.ending.shutdown.stopping(self.store)  # another node's agent was signalled
+        return [] if signum is None else [ev.PeerStopping(signum=signum, node=self.ending.shutdown.from_node)]
+
+    def _poll_nodes(self) -> list[ev.NodeLost | ev.Fenced]:
+        return self.membership.poll(self.store) if self.membership is not None else []
+
+    def _poll_assignment(self) -> list[ev.NodeAssigned | ev.JobEnded]:
+        assert self.membership is not None
+        return self.membership.poll_assignment(
+            self.store, stopping=lambda: self.ending.shutdown.stopping(self.store) is not None)
+
+    def _poll_supervised(self) -> list[ev.SupervisedSeen]:
+        """Spares are for Supervisor jobs: the first rank that registers with one starts the spare."""
+        if self.spares is None or self.spares.enabled:
+            return []
+        seen = any(self.store.check([Keys.supervised(w.rank)]) for w in self.workers)
+        return [ev.SupervisedSeen()] if seen else []
+
+    def _poll_spares(self) -> list[ev.SpareDue]:
+        if self.spares is None:
+            return []
+        self.spares.note()
+        return [ev.SpareDue()] if self.spares.due() else []
+
+    def _poll_done(self) -> list[ev.AllSucceeded]:
+        return [ev.AllSucceeded()] if self.workers.all_succeeded() else []
+
+    # ------------------------------------------------------------- acting
+    def _act(self, d: ev.Decision) -> None:
+        """Carries out one decision."""
+        if isinstance(d, ev.Ignore):
+            return
+        if isinstance(d, ev.MarkSucceeded):
+            w = self.workers.get(d.rank)
+            assert w is not None
+            w.state = WorkerState.SUCCEEDED
+            if d.after_final is not None:  # the final state is committed: the run is over whatever happens now
+                self.events.emit("worker_exit_after_final", rank=d.rank, how=d.after_final.how)
+        elif isinstance(d, ev.StopJob):
+            self.events.emit("worker_stopped_job", rank=d.rank, exit_code=d.rc, reason=d.reason)
+            self.ending.stop(self.store, exit_code=d.exit_code, reason=d.reason, restarts=self.restarts)
+        elif isinstance(d, ev.ShutDown):
+            if d.preempted_rank is not None:
+                self.events.emit("worker_preempted", rank=d.preempted_rank)
+            self.ending.shut_down(self.store, d.signum, signalled=d.signalled, restarts=self.restarts)
+        elif isinstance(d, ev.Replace):
+            self.recovery.replace(d.failure)
+        elif isinstance(d, ev.RestartAll):
+            self.recovery.restart_all(d)
+        elif isinstance(d, ev.Fail):
+            if d.failure is not None:
+                self.recovery.fault_detected(d.failure)
+            if d.restart_decision is not None:
+                assert d.failure is not None
+                self.recovery.attempt_failed(d.failure, d.followed, d.restart_decision)
+            raise AgentError(d.message, exit_code=d.exit_code)
+        elif isinstance(d, ev.Kill):
+            w = self.workers.get(d.rank)
+            assert w is not None
+            self.hangs.kill(w, d.cause, dump_stacks=d.dump_stacks)
+        elif isinstance(d, ev.KillDumped):
+            w = self.workers.get(d.rank)
+            assert w is not None
+            self.hangs.kill_dumped(w)
+        elif isinstance(d, ev.ClaimNode):
+            assert self.membership is not None
+            self.membership.handle_loss(self.store, d.node, d.incarnation)
+        elif isinstance(d, ev.Leave):
+            self.ending.succeed(self.store, restarts=self.restarts)
+        elif isinstance(d, ev.End):
+            if d.line is not None:
+                self._say(d.line)
+            extra = {"spare_unused": True} if d.spare_unused else {}
+            self.events.emit("agent_end", ok=d.exit_code == 0, reason=d.reason, exit_code=d.exit_code,
+                             restarts=self.restarts, **extra)
+            self.lifecycle.end(d.exit_code, d.reason)
+        elif isinstance(d, ev.Fence):
+            self.ending.fence(d.how, restarts=self.restarts)
+        elif isinstance(d, ev.EnableSpares):
+            assert self.spares is not None
+            self.spares.enable()
+        elif isinstance(d, ev.StartSpare):
+            assert self.spares is not None
+            self.spares.start_next()
+        elif isinstance(d, ev.SaveMonitorState):
+            self.persist.save()
+        elif isinstance(d, ev.TakeOffer):
+            self.persist.take_offer()
+        elif isinstance(d, ev.TakeNode):
+            self._take_node(d.node)
+        else:
+            raise AssertionError(f"no action for {d!r}")
+
+    # ------------------------------------------------------- node and spawn
+    def _start_node(self) -> None:
+        """Starts this node's ranks (registered first, many nodes): replacements when the job already ran
+        without them (the node comes back, or a spare took it)."""
+        returning = False
+        if self.membership is not None:
+            returning = self.membership.register(self.store, self.host.connect)
+        generation = current_generation(self.store) if returning else 0
+        for rank in self.config.ranks():
+            self._spawn(rank, generation, replacement=returning)
+        if self.spares is not None:
+            self.spares.resize(self._spares_wanted(waiting=False))  # a spare node's ranks took its spares
+        self.lifecycle.to(AgentState.RUNNING)
+
+    def _take_node(self, node: int) -> None:
+        """A spare node's agent becomes node ``node``."""
+        assert self.membership is not None
+        self.config.node_rank = node
+        self.ending.new_shutdown()
+        self._watch_node(waiting=False)
+        self.membership.take(node)
+        self.lifecycle.to(AgentState.STARTING)
+        self._start_node()
+
+    def _watch_node(self, *, waiting: bool) -> None:
+        """The hang and straggler monitor of this node's ranks (none for a spare still ``waiting``), and its
+        saved state."""
+        c = self.config
+        monitor = self.hangs.watch(() if waiting else c.ranks(), store=self.store if c.nnodes > 1 and not waiting
+                                   else None, node=c.node_rank, nnodes=c.nnodes, node_timeout_s=c.node_timeout_s)
+        self.persist.attach(monitor, c.node_rank)
+
+    def _env(self, rank: int, generation: int, replacement: bool, error_file: Path | None) -> dict[str, str]:
+        h, m = self.host, self.membership
+        # Many nodes: the rank's node and this agent's incarnation of it, which the rank's fence checks.
+        node = {E.RT_NODE: str(self.config.node_rank), E.RT_NODE_INCARNATION: str(m.incarnation)} \
+            if m is not None and m.incarnation > 0 else None
+        return self.workers.env(rank, generation, replacement=replacement, port=h.port, token=h.token,
+                                attempt=h.attempt, error_file=error_file, extra=node)
+
+    def _spawn(self, rank: int, generation: int, *, replacement: bool) -> None:
+        self.hangs.expect(rank, had_worker=self.workers.get(rank) is not None)
+        self.workers.spawn(rank, generation, replacement=replacement, attempt=self.host.attempt,
+                           env_for=lambda error_file: self._env(rank, generation, replacement, error_file),
+                           spares=self.spares)
+
+    def _spare_pool(self) -> SparePool | None:
+        """The warm spares (resilient_train.spares): each starts with this node's worker environment."""
+        c = self.config
+        if not c.warm_spare or c.spares == 0 or self.entry.python_argv is None:
+            return None
+
+        def env_for(slot: int) -> dict[str, str]:
+            local = slot % c.nproc_per_node  # spares differ per local rank only with --virtual-local-rank
+            return spare_env(self._env(c.first_rank + local, 0, False, None))
+
+        return SparePool(self.entry, c.script_args, env_for=env_for, emit=self.events.emit,
+                         size=self._spares_wanted(waiting=c.spare))
+
+    def _spares_wanted(self, *, waiting: bool) -> int:
+        """``--spares`` (default 1: one lost rank); a spare node still waiting: one per local rank it may take over."""
+        c = self.config
+        if waiting:
+            return max(c.nproc_per_node, c.spares or 0)
+        return 1 if c.spares is None else c.spares
+
+    # -------------------------------------------------------------- words
+    def _say(self, line: str) -> None:
+        self.console.write(f"resilient-train: {line}\n".encode())
+
+    def _announce(self) -> None:
+        """What a torchrun user should know before the job starts, once."""
+        c = self.config
+        if self.workers.omp_default:
+            self._say("OMP_NUM_THREADS is set to 1 for each worker, as torchrun does (set it to tune)")
+        if c.monitor.hang.enabled and not self.entry.mentions_runtime():
+            self._say(f"hang detection is off for {Path(self.entry.target).name}: its ranks report no progress "
+                      "(call resilient_train.heartbeat() once a step to turn it on)")
+
+    def close(self) -> None:
+        if self.membership is not None:
+            self.membership.close()
+        if self._dashboard is not None:
+            self._dashboard.close()
+        self.workers.close()
+        self.persist.save()
+        self.hangs.close()
+        if self.spares is not None:
+            self.spares.close()
+        self.host.close()

@@ -1,0 +1,191 @@
+"""This agent's place in a many-node job: its node's registration and beat, the losses it sees, its leaving.
+
+The keys and the ring of watchers are resilient_train.nodes'. Here is what
+one agent does with them: it registers an incarnation of its node and beats
+on its own thread; it reports the nodes it watches that went silent
+(:class:`~resilient_train.agent.events.NodeLost`) and, when its claim wins,
+fails the generation and hands the node to a waiting spare; a spare node's
+agent waits for a node to be handed to it (``NodeAssigned``) or for the job
+to end without it (``JobEnded``). When its ranks are done it says so, and
+node 0's agent, which hosts the store, waits for every node before it goes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from monitors import EventLog
+from resilient_train.agent.config import AgentConfig
+from resilient_train.agent.events import Fenced, JobEnded, NodeAssigned, NodeLost
+from resilient_train.fence import FENCE_WAIT_S
+from resilient_train.nodes import (
+    Heartbeat, NodeKeys, NodeWatch, assign_spare, claim_loss, register_node, register_spare,
+)
+from resilient_train.store import Keys, current_generation, declare_fault, read_stop
+
+__all__ = ["Membership"]
+
+_ASSIGNMENT_EVERY_S = 0.2  # how often a waiting spare looks for a node handed to it
+_FENCE_CHECK_EVERY_S = 1.0  # how often an agent looks whether its own node was declared lost
+LEAVE_TIMEOUT_S = 60.0  # node 0 keeps the store this long at most for the other nodes to leave
+
+
+class Membership:
+    """One agent of a many-node job (``config.nnodes > 1``)."""
+
+    def __init__(self, config: AgentConfig, *, events: EventLog, say: Callable[[str], None]) -> None:
+        assert config.nnodes > 1
+        self.config, self.events, self._say = config, events, say
+        self.incarnation = 0
+        self.spare_index: int | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._watch: NodeWatch | None = None
+        self._handled: set[tuple[int, int]] = set()
+        self._looked_at = 0.0
+        self._fence_checked_at = 0.0
+
+    # --------------------------------------------------------------- a node
+    def register(self, store: dist.Store, connect: Callable[[], dist.Store]) -> bool:
+        """Registers this agent as its node's next incarnation and starts its beat; True when the node's ranks
+        ran before (the node comes back, or a spare takes it): they start as replacements."""
+        c = self.config
+        self.incarnation = register_node(store, c.node_rank)
+        self._heartbeat = Heartbeat(connect, c.node_rank, self.incarnation)
+        self._watch = NodeWatch(store, c.node_rank, c.nnodes, c.node_timeout_s)
+        returning = (self.incarnation > 1 or c.spare) and store.check([Keys.supervised(c.first_rank)])
+        self.events.emit("node_started", node=c.node_rank, incarnation=self.incarnation, returning=returning)
+        if self.incarnation > 1:
+            self._fence_previous(store, returning)
+        return returning
+
+    def _fence_previous(self, store: dist.Store, returning: bool) -> None:
+        """Before this node's ranks start again: the previous incarnation's ranks can no longer join (its loss
+        is claimed), and each has left, or had :data:`FENCE_WAIT_S` to (resilient_train.fence)."""
+        c = self.config
+        previous = self.incarnation - 1
+        if claim_loss(store, c.node_rank, previous, by=c.node_rank) and returning:
+            # Nobody had declared it lost (this agent came back first): fail the generation, which wakes
+            # every rank, so that a live rank of the previous agent sees its fence now.
+            declare_fault(store, current_generation(store), {
+                "rank": c.first_rank, "kind": "node_lost", "node": c.node_rank, "time": time.time()},
+                world_size=c.world_size)
+        keys = {r: NodeKeys.fenced(c.node_rank, previous, r) for r in c.ranks()}
+        started = time.monotonic()
+        deadline = started + min(FENCE_WAIT_S, c.node_timeout_s)
+        left: list[int] = []
+        while True:
+            left = [r for r, key in keys.items() if store.check([key])]
+            if len(left) == len(keys) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        missing = [r for r in keys if r not in left]
+        self.events.emit("node_fenced", node=c.node_rank, incarnation=previous, left=left, missing=missing,
+                         waited_s=round(time.monotonic() - started, 3))
+        if missing and left:
+            self._say(f"ranks {missing} of node {c.node_rank}'s previous agent did not acknowledge their fence "
+                      f"within {deadline - started:g} s (gone with their host, or frozen): they cannot join; "
+                      "starting the replacements")
+
+    def poll(self, store: dist.Store) -> list[NodeLost | Fenced]:
+        """The watched nodes that went silent, each incarnation once; this node itself, declared lost while
+        this agent was stopped (or cut off)."""
+        if self._watch is None:
+            return []
+        now = time.monotonic()
+        if self.config.node_rank != 0 and now - self._fence_checked_at >= _FENCE_CHECK_EVERY_S:
+            self._fence_checked_at = now
+            if store.check([NodeKeys.lost(self.config.node_rank, self.incarnation)]):
+                return [Fenced(how=f"no beat for {self.config.node_timeout_s:g} s: its agent was stopped or cut "
+                                   "off")]
+        lost: list[NodeLost | Fenced] = []
+        for node, incarnation in self._watch.poll():
+            # Node 0 is never claimed: its loss is the store's, which every agent learns from its own calls
+            # (fencing a node 0 that was only slow to beat would end the job).
+            if node != 0 and (node, incarnation) not in self._handled:
+                self._handled.add((node, incarnation))
+                lost.append(NodeLost(node=node, incarnation=incarnation))
+        return lost
+
+    def handle_loss(self, store: dist.Store, node: int, incarnation: int) -> None:
+        """The first agent to claim the loss fails the generation and hands the node to a waiting spare."""
+        c = self.config
+        if not claim_loss(store, node, incarnation, by=c.node_rank):
+            return  # another agent handles it
+        g = current_generation(store)
+        declare_fault(store, g, {"rank": node * c.nproc_per_node, "kind": "node_lost", "node": node,
+                                 "time": time.time()}, world_size=c.world_size)
+        spare = assign_spare(store, node)
+        self.events.emit("node_lost", node=node, incarnation=incarnation, generation=g, spare=spare,
+                         timeout_s=c.node_timeout_s)
+        if spare is not None:
+            self._say(f"node {node} lost (no beat for {c.node_timeout_s:g} s): handed to spare node agent {spare}")
+        else:
+            self._say(f"node {node} lost (no beat for {c.node_timeout_s:g} s) and no spare node: its ranks' "
+                      "peers wait for it to come back (their join timeout), then the job stops")
+
+    def leave(self, store: dist.Store, *, hosting: bool, until: float | None = None) -> None:
+        """This node is done; node 0's agent keeps the store up until every node is (``until``, a monotonic
+        time, or :data:`LEAVE_TIMEOUT_S` at most)."""
+        c = self.config
+        store.set(NodeKeys.done(c.node_rank), "1")
+        if not hosting:
+            return
+        deadline = time.monotonic() + LEAVE_TIMEOUT_S if until is None else until
+        timeout_s = max(0.0, deadline - time.monotonic())
+        pending = [n for n in range(c.nnodes) if n != c.node_rank]
+        lost: set[int] = set()
+        looked_at = 0.0
+        while time.monotonic() < deadline:
+            pending = [n for n in pending if not store.check([NodeKeys.done(n)])]
+            if not pending:
+                break
+            if time.monotonic() - looked_at >= _FENCE_CHECK_EVERY_S:
+                # A node whose agent went silent meanwhile will never say it is done: not waited for (its ranks
+                # are fenced: its incarnation's loss key says so, or this agent's own watch of its beat).
+                looked_at = time.monotonic()
+                silent = {n for n, _ in self._watch.poll()} if self._watch is not None else set()
+                lost |= {n for n in pending if n in silent or self._current_lost(store, n)}
+                pending = [n for n in pending if n not in lost]
+            time.sleep(0.05)
+        if lost:
+            self._say(f"nodes {sorted(lost)} went silent before they finished; not waiting for them")
+        if pending:
+            self._say(f"nodes {pending} did not finish within {timeout_s:g} s of this one; closing the store")
+
+    @staticmethod
+    def _current_lost(store: dist.Store, node: int) -> bool:
+        """``node``'s newest incarnation was declared lost (none newer took it over)."""
+        incarnation = int(store.add(NodeKeys.incarnation(node), 0))
+        return incarnation > 0 and bool(store.check([NodeKeys.lost(node, incarnation)]))
+
+    # ------------------------------------------------------ a spare's wait
+    def wait_as_spare(self, store: dist.Store) -> int:
+        index = self.spare_index = register_spare(store)
+        self.events.emit("spare_waiting", spare=index)
+        self._say(f"spare node agent {index}: waiting for a node to replace")
+        return index
+
+    def poll_assignment(self, store: dist.Store, *, stopping: Callable[[], bool]) -> list[NodeAssigned | JobEnded]:
+        """A waiting spare: the node handed to it, or the job's end without it (its final state, a rank's stop,
+        another node's signal: ``stopping()``)."""
+        now = time.monotonic()
+        if now - self._looked_at < _ASSIGNMENT_EVERY_S:
+            return []
+        self._looked_at = now
+        assert self.spare_index is not None
+        value = store.get(NodeKeys.spare(self.spare_index)).decode()
+        if value:
+            return [NodeAssigned(node=int(value))]
+        if store.check([Keys.FINAL]) or read_stop(store) is not None:
+            return [JobEnded(preempted=False)]
+        return [JobEnded(preempted=True)] if stopping() else []
+
+    def take(self, node: int) -> None:
+        self._say(f"spare node agent {self.spare_index}: taking over node {node}")
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.close()

@@ -1,0 +1,108 @@
+"""A rank's side of fencing: the ranks of a node declared lost leave before they can take part or write again.
+
+A node is declared lost when its agent stops beating (resilient_train.nodes).
+That happens when its host dies, and its ranks with it; but also when only
+the agent stops (SIGSTOP, a debugger, a host frozen and thawed) while its
+ranks run on, still reachable by their gloo peers. Replacing such a node
+without fencing it puts two processes of one rank in the job. So the agent
+that claims the loss sets ``NodeKeys.lost(node, incarnation)`` (its claim)
+*before* it fails the generation, and every rank of a many-node job, which
+knows its node and its agent's incarnation (``RT_NODE``,
+``RT_NODE_INCARNATION``), looks at that key:
+
+* when its watcher is woken (resilient_train.watch): the claim's next move
+  fails the generation, which wakes every rank at once, so a live rank of the
+  lost node learns it within a round trip, whatever its main thread is doing;
+* when it joins a generation (resilient_train.rendezvous): no fenced rank
+  writes a membership, so none is ever part of a later generation;
+* before it writes a checkpoint (resilient_train.disk).
+
+A fenced rank records the event, acknowledges its fence
+(``NodeKeys.fenced(node, incarnation, rank)``) and exits
+:data:`~resilient_train.exitcodes.FENCED` at once: no collective, no write, no
+atexit handler (its checkpoint writer dies with it, PR_SET_PDEATHSIG). The
+agent that takes the node over (a spare, or the node's next agent) starts
+the replacements only once every rank of the lost incarnation acknowledged,
+or after :data:`FENCE_WAIT_S` (a rank that cannot answer is gone with its host,
+or frozen: then it learns of the fence the moment it runs again). A job of
+one node has nothing to fence: every check is a no-op.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import torch.distributed as dist
+
+from monitors import EventLog
+from resilient_train import env as E
+from resilient_train import exitcodes
+from resilient_train.nodes import NodeKeys
+
+__all__ = ["FENCE_WAIT_S", "Fence", "check_fence"]
+
+FENCE_WAIT_S = 5.0  # at most, for the ranks of a lost incarnation to acknowledge (capped by --node-timeout)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """This rank's node and its agent's incarnation of it."""
+
+    rank: int
+    node: int
+    incarnation: int
+    run_dir: str | None
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "Fence | None":
+        env = os.environ if environ is None else environ
+        if not env.get(E.RT_NODE_INCARNATION):
+            return None  # one node, or no agent: nothing to fence
+        return cls(rank=int(env.get(E.RANK, "0")), node=int(env[E.RT_NODE]),
+                   incarnation=int(env[E.RT_NODE_INCARNATION]), run_dir=env.get(E.RT_RUN_DIR) or None)
+
+    def fenced(self, store: dist.Store) -> bool:
+        return bool(store.check([NodeKeys.lost(self.node, self.incarnation)]))
+
+    def check(self, store: dist.Store, where: str) -> None:
+        """Leaves (exit FENCED) if this rank's node was declared lost."""
+        if self.fenced(store):
+            self.leave(store, where)
+
+    def leave(self, store: dist.Store, where: str) -> NoReturn:
+        if self.run_dir is not None:
+            try:
+                EventLog(Path(self.run_dir) / "events.jsonl", source=f"rank{self.rank}").emit(
+                    "fenced", rank=self.rank, pid=os.getpid(), node=self.node, incarnation=self.incarnation,
+                    where=where)
+            except OSError:
+                pass
+        line = (f"[rank{self.rank}] resilient-train: node {self.node} was declared lost (its agent stopped "
+                f"beating): this rank leaves ({where}; exit code {exitcodes.FENCED})\n")
+        try:  # never blocking: the agent that reads this pipe may be the one that stopped, with the pipe full
+            fcntl.fcntl(2, fcntl.F_SETFL, fcntl.fcntl(2, fcntl.F_GETFL) | os.O_NONBLOCK)
+            os.write(2, line.encode())
+        except OSError:
+            pass
+        try:
+            store.set(NodeKeys.fenced(self.node, self.incarnation, self.rank), str(time.time()))
+        except Exception:  # noqa: BLE001  (the store went: the fence still holds, nothing more to tell)
+            pass
+        os._exit(exitcodes.FENCED)
+
+
+_FENCE: list[Fence | None] = []  # read from the environment once per process
+
+
+def check_fence(store: dist.Store, where: str) -> None:
+    """:meth:`Fence.check` for this process's rank (a no-op outside a many-node job)."""
+    if not _FENCE:
+        _FENCE.append(Fence.from_environ())
+    fence = _FENCE[0]
+    if fence is not None:
+        fence.check(store, where)

@@ -1,0 +1,84 @@
+"""The fence of a lost node's ranks, and the agent's store deadline, against real processes and a real store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from jobs import REPO
+from resilient_train import exitcodes
+from resilient_train.agent.boundedstore import BoundedStore, StoreDeadline
+from resilient_train.nodes import NodeKeys
+
+RANK = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from resilient_train.fence import check_fence
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
+check_fence(store, "join")
+print("took part", flush=True)
+"""
+
+
+def _rank(port: int, run_dir: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", RANK, str(port)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "RANK": "3", "RT_RUN_DIR": str(run_dir), **env})
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_of_a_lost_incarnation_acknowledges_its_fence_and_exits_94(tmp_path: Path) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    node = {"RT_NODE": "1", "RT_NODE_INCARNATION": "2"}
+    assert _rank(store.port, tmp_path, **node).stdout == "took part\n"  # not lost: it goes on
+    store.set(NodeKeys.lost(1, 1), "0")  # an older incarnation's loss does not fence this one
+    assert _rank(store.port, tmp_path, **node).stdout == "took part\n"
+    store.set(NodeKeys.lost(1, 2), "0")
+    fenced = _rank(store.port, tmp_path, **node)
+    assert fenced.returncode == exitcodes.FENCED and "took part" not in fenced.stdout, fenced.stderr
+    assert "node 1 was declared lost" in fenced.stderr and len(fenced.stderr.splitlines()) == 1, fenced.stderr
+    assert store.check([NodeKeys.fenced(1, 2, 3)])  # its acknowledgement, for the agent taking the node over
+    [event] = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert (event["event"], event["rank"], event["node"], event["incarnation"], event["where"]) == (
+        "fenced", 3, 1, 2, "join")
+    assert _rank(store.port, tmp_path).stdout == "took part\n"  # one node (no incarnation given): no fence
+
+
+SERVER = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+print(store.port, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_every_call_through_the_bounded_store_ends_by_its_deadline_when_the_server_is_stopped() -> None:
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())  # type: ignore[union-attr]
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        store = BoundedStore(client, timeout_s=1.0, name="test")
+        store.set("k", "v")
+        assert store.get("k") == b"v" and store.add("n", 2) == 2 and store.check(["k"])
+        assert store.compare_set("k", "v", "w") == b"w" and store.multi_get(["k"]) == [b"w"]
+        os.kill(server.pid, signal.SIGSTOP)  # open and silent: c10d's add would block for ever
+        with pytest.raises(StoreDeadline, match="did not answer a add within 1 s"):
+            store.add("n", 1)
+        assert store.lost is not None
+        with pytest.raises(dist.DistError, match="did not answer a add"):  # every later call: the store is lost
+            store.check(["k"])
+        store.close()
+    finally:
+        server.kill()
+        server.wait()
