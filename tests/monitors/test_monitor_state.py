@@ -79,10 +79,21 @@ def test_an_unreadable_state_file_is_reported_and_replaced(tmp_path: Path) -> No
 
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 40-step job's checkpoint directory, its newest checkpoint (step 40) carrying the computed timeouts."""
+    """A checkpoint directory whose newest checkpoint (step 40) carries the computed timeouts.
+
+    Two jobs in one run directory: the first (20 steps) ends with the computed timeouts saved in the run
+    directory (the agent writes its state as it closes); the second resumes from step 20 and starts from
+    that state, so rank 0's checkpoint at step 40 carries computed timeouts whatever the timing. (One 40-step
+    job is not enough: the agent saves a changed timeout at most every 0.5 s, and a fast job can write its
+    step-40 checkpoint before the agent's file holds any computed one.)
+    """
     run = tmp_path_factory.mktemp("checkpointed") / "a"
-    first = run_gpt(run, nproc=2, steps=40, extra=CKPT)
+    first = run_gpt(run, nproc=2, steps=20, extra=CKPT)
     assert first.returncode == 0, first.stderr[-3000:]
+    saved = json.loads((run / ".monitors" / "timeouts.json").read_text())["hang"]
+    assert saved["timeouts_s"]["forward"] < HangConfig().default_timeout  # 2 x 19 forwards seen: computed
+    second = run_gpt(run, nproc=2, steps=40, extra=CKPT)
+    assert second.returncode == 0, second.stderr[-3000:]
     return run / "checkpoints"
 
 
