@@ -15,7 +15,7 @@ from conftest import CTX, Procs, wait_for, wait_step
 from monitor_workers import gloo_rank, train_loop
 
 from monitors.hang import IMPOSSIBLE_READS_BEFORE_JUDGING, Hang, HangConfig, HangDetector
-from monitors.progress import ProgressReader
+from monitors.progress import ProgressReader, ProgressReporter
 from monitors.stacks import is_stopped
 
 TIMEOUT = 1.0
@@ -177,7 +177,6 @@ def test_the_rank_behind_in_a_collective_is_killed_not_its_waiting_peers():
 def test_a_section_cut_short_by_a_fault_does_not_grow_the_computed_timeout(tmp_path) -> None:
     """Peers waiting on a hung rank leave their all-reduce for recovery: that wait is
     not an observation of how long an all-reduce takes."""
-    from monitors.progress import ProgressReporter
 
     rep = ProgressReporter(tmp_path, 0)
     for step in range(12):
@@ -205,7 +204,7 @@ def test_a_slot_read_with_an_impossible_progress_time_is_not_judged(tmp_path) ->
     import mmap
     import struct
 
-    from monitors.progress import ProgressReporter, progress_path
+    from monitors.progress import progress_path
 
     rep = ProgressReporter(tmp_path, 0)
     rep.enter("data", 7)
@@ -237,7 +236,6 @@ def test_ranks_waiting_in_recovery_are_not_killed_for_a_peer_stuck_in_an_old_col
     Rank 2 is the one to kill (nothing will come to its collective); the two in recovery wait for it.
     """
     from monitors.hang import ranks_to_kill
-    from monitors.progress import ProgressReporter
 
     run = str(tmp_path)
     writers = [ProgressReporter(run, r) for r in range(3)]
@@ -255,7 +253,7 @@ def test_ranks_waiting_in_recovery_are_not_killed_for_a_peer_stuck_in_an_old_col
         w.close()
 
 
-def _steady(writer: "ProgressReporter", generation: int, steps: range) -> None:
+def _steady(writer: ProgressReporter, generation: int, steps: range) -> None:
     """Whole steps of work in ``generation`` (the first one of a generation is its "first step")."""
     for step in steps:
         for section in ("data", "forward", "backward", "all-reduce", "optimizer"):
@@ -268,7 +266,6 @@ def test_a_rank_training_is_not_killed_while_a_peer_still_restores_into_its_gene
     all-reduce: rank 0 waits on rank 1, which has the recovery timeout. (Seen: the survivor blocked in its
     on_new_group and the two others killed as hung in all-reduce, 3 s later.)"""
     from monitors.hang import ranks_to_kill
-    from monitors.progress import ProgressReporter
 
     run = str(tmp_path)
     writers = [ProgressReporter(run, r) for r in range(2)]
@@ -292,7 +289,6 @@ def test_a_rank_training_is_not_killed_while_a_peer_still_restores_into_its_gene
 def test_a_collective_is_timed_from_its_last_local_arrival(tmp_path) -> None:
     """Rank 1 was slow (its first step after a recovery, a straggler): rank 0 waited in the all-reduce
     meanwhile. When rank 1 arrives, neither is hung until the all-reduce has had both for its timeout."""
-    from monitors.progress import ProgressReporter
 
     run = str(tmp_path)
     writers = [ProgressReporter(run, r) for r in range(2)]
@@ -317,7 +313,6 @@ def test_the_first_step_of_a_generation_is_timed_as_an_unobserved_section(tmp_pa
     """A replacement's first step (cold caches) and a survivor's first collective after a recovery get
     ``default_timeout``, not the computed one; the step after it is timed as usual, and the first step's
     sections are not observations of their durations."""
-    from monitors.progress import ProgressReporter
 
     run = str(tmp_path)
     w = ProgressReporter(run, 0)
@@ -354,7 +349,6 @@ def test_a_rank_stopped_inside_a_collective_is_the_one_killed(tmp_path, procs: P
     """Rank 1 stops (SIGSTOP) inside step 3's all-reduce, then ranks 0 and 2 enter it: all three show the
     same collective; only the stopped process is killed."""
     from monitors.hang import ranks_to_kill
-    from monitors.progress import ProgressReporter
 
     run = str(tmp_path)
     p = procs.start(train_loop, run, 1, {"hang_at": 3, "hang": "self-stop", "hang_section": "all-reduce"})
