@@ -26,18 +26,18 @@ printed; the exit code is 0 only if every trial passed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from jobfiles import events, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "train_gpt.py"
@@ -53,25 +53,6 @@ class Verdict:
     at_step: int
     ok: bool
     detail: str
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _events(run: Path) -> list[dict]:
-    path = run / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            pass
-    return out
 
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -116,7 +97,7 @@ def _wait_moment(run: Path, rng: random.Random, steps: int, procs: list[subproce
     frac = rng.random()
     deadline = time.monotonic() + timeout
     while True:
-        done = [e for e in _events(run) if e.get("event") == "step_done"]
+        done = [e for e in events(run) if e.get("event") == "step_done"]
         if done and done[-1]["step"] >= target:
             break
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
@@ -146,7 +127,7 @@ def _last_lines(log: Path) -> str:
 def reference(job: Job, work: Path, kind: str) -> Path:
     run = work / f"ref-{kind}"
     if kind == "node":
-        port = _port()
+        port = free_port()
         procs = [_start(job.node(run, port, n), work / f"ref-{kind}-{n}.log") for n in (0, 1)]
     else:
         procs = [_start(job.single(run), work / f"ref-{kind}.log")]
@@ -160,7 +141,7 @@ def trial(job: Job, work: Path, kind: str, i: int, rng: random.Random, ref: Path
     args = job.args
     run = work / f"{kind}-{i}"
     if kind == "node":
-        port = _port()
+        port = free_port()
         names = ("node0", "node1", "spare")
         procs = [_start(job.node(run, port, n), work / f"{kind}-{i}-{name}.log")
                  for n, name in zip((0, 1, None), names)]
@@ -177,25 +158,25 @@ def trial(job: Job, work: Path, kind: str, i: int, rng: random.Random, ref: Path
         procs[1].wait()
         codes = _finish([procs[0], procs[2]], args.timeout)
         failed = [f"{n} exit {c}" for n, c in zip(("node0", "spare"), codes) if c != 0]
-        lost = [e for e in _events(run) if e.get("event") == "node_lost"]
+        lost = [e for e in events(run) if e.get("event") == "node_lost"]
         if not failed and not lost:
             failed.append("no node_lost event")
     else:
         rank = rng.randrange(args.nproc)
-        pid = [e["pid"] for e in _events(run) if e.get("event") == "run_start" and e["rank"] == rank][-1]
+        pid = [e["pid"] for e in events(run) if e.get("event") == "run_start" and e["rank"] == rank][-1]
         victim = f"rank {rank}"
         os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
         codes = _finish(procs, args.timeout)
         failed = [f"exit {codes[0]}: {_last_lines(work / f'{kind}-{i}.log')}"] if codes[0] != 0 else []
         if kind == "stop" and not failed:
-            hung = [e for e in _events(run) if e.get("event") == "fault_detected" and e.get("source") == "agent"
+            hung = [e for e in events(run) if e.get("event") == "fault_detected" and e.get("source") == "agent"
                     and e.get("kind") == "hang" and e.get("pid") == pid]
             if not hung:
                 failed.append("the stopped rank was not killed as hung")
     if failed:
         return Verdict(kind, i, victim, at, False, "; ".join(failed))
     same, detail = _diff(ref, run)
-    kills = [e for e in _events(run) if e.get("event") == "fault_detected" and e.get("source") == "agent"
+    kills = [e for e in events(run) if e.get("event") == "fault_detected" and e.get("source") == "agent"
              and e.get("kind") == "hang" and e.get("pid") != (pid if kind != "node" else None)]
     if kills:  # a rank killed as hung that was not the stopped one: recovered, but it should not happen
         detail += f"; also killed as hung: {sorted({e['rank'] for e in kills})}"

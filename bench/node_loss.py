@@ -23,10 +23,8 @@ average is printed beside the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,19 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from jobfiles import events, free_port
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ["--d-model", "64", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4", "--log-every", "0"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _events(run: Path) -> list[dict]:
-    path = run / "events.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 def _agent(run: Path, port: int, args: argparse.Namespace, *, node: int | None, extra: list[str]) -> subprocess.Popen:
@@ -67,7 +56,7 @@ def _wait_step(run: Path, step: int, timeout: float, after: float = 0.0, marker:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         seen = marker is None
-        for e in _events(run):
+        for e in events(run):
             if e["time"] <= after:
                 continue
             seen = seen or e["event"] == marker
@@ -84,7 +73,7 @@ def _kill(p: subprocess.Popen) -> None:
 
 
 def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float, int, str]:
-    run, port = work / f"{mode}-{n}", _port()
+    run, port = work / f"{mode}-{n}", free_port()
     # The baseline's checkpoints are synchronous: an async save still in flight would skip the next ones.
     extra = ["--ckpt-every", str(args.ckpt_every), "--ckpt-mode", "disabled"] if mode == "restart" else []
     agents = [_agent(run, port, args, node=0, extra=extra), _agent(run, port, args, node=1, extra=extra)]
@@ -96,22 +85,22 @@ def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float,
         _kill(agents[1])  # node 1's host dies
         if mode == "restart":
             _kill(agents[0])
-            port = _port()
+            port = free_port()
             agents = [_agent(run, port, args, node=0, extra=extra), _agent(run, port, args, node=1, extra=extra)]
-        last_done = max(e["step"] for e in _events(run) if e["event"] == "step_done" and e["time"] <= killed)
+        last_done = max(e["step"] for e in events(run) if e["event"] == "step_done" and e["time"] <= killed)
         nxt = _wait_step(run, 0, timeout=args.timeout, after=killed,
                          marker="recovery_done" if mode == "spare" else "run_start")
         if mode == "restart":
-            resumed = [e["step"] for e in _events(run) if e["event"] == "resumed_from_disk" and e["time"] > killed]
+            resumed = [e["step"] for e in events(run) if e["event"] == "resumed_from_disk" and e["time"] > killed]
             redone = last_done - (resumed[0] if resumed else 0)
         else:
-            recs = [e for e in _events(run) if e["event"] == "recovery_done" and e["time"] > killed]
+            recs = [e for e in events(run) if e["event"] == "recovery_done" and e["time"] > killed]
             redone = max((e.get("steps_redone", 0) for e in recs), default=0)
         for p in agents:
             p.wait(timeout=args.timeout)
-        events = [e for e in _events(run) if e["time"] > killed]
-        spawned = [e for e in events if e["event"] == "worker_spawned" and e.get("replacement")]
-        started = [e["since_spawn_s"] for e in events if e["event"] == "run_start" and e.get("replacement")]
+        since = [e for e in events(run) if e["time"] > killed]
+        spawned = [e for e in since if e["event"] == "worker_spawned" and e.get("replacement")]
+        started = [e["since_spawn_s"] for e in since if e["event"] == "run_start" and e.get("replacement")]
         how = (f"{sum(bool(e.get('warm')) for e in spawned)} of {len(spawned)} warm, script after "
                + ", ".join(f"{t:.2f}" for t in sorted(started)) + " s") if mode == "spare" else ""
         return nxt["time"] - killed, redone, how

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 from monitors.configfile import MAX_COUNT, kind
-from monitors.safefiles import write_atomic
+from monitors.safefiles import read_regular, write_atomic
 
 __all__ = ["CHECKPOINT_EXTRAS_KEY", "MAX_STATE_BYTES", "monitor_state_path", "offer_from_checkpoint",
            "offered_state_path", "read_json_file", "read_monitor_state", "take_offer", "write_json_atomic"]
@@ -85,19 +84,11 @@ def read_json_file(path: Path) -> Any:
     """The JSON in ``path``: a regular file of at most :data:`MAX_STATE_BYTES` (not a FIFO or ``/dev/zero``
     behind a link). ``FileNotFoundError`` when there is none; ``ValueError`` (one line) for anything else."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise ValueError(f"{path}: cannot be read: {e.strerror or e}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise ValueError(f"{path}: not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        if st.st_size > MAX_STATE_BYTES:
-            raise ValueError(f"{path}: {st.st_size} bytes; a monitor state is at most {MAX_STATE_BYTES}")
-        raw = f.read(MAX_STATE_BYTES + 1)
+        raw, _ = read_regular(path, MAX_STATE_BYTES)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if len(raw) > MAX_STATE_BYTES:
+        raise ValueError(f"{path}: over {MAX_STATE_BYTES} bytes; a monitor state is at most {MAX_STATE_BYTES}")
     try:
         return json.loads(raw.decode("utf-8"))
     except RecursionError:

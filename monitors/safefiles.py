@@ -14,9 +14,11 @@ private to its owner).
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
-__all__ = ["FILE_MODE", "append_bytes", "create_exclusive", "open_nofollow", "writable_dir", "write_atomic"]
+__all__ = ["FILE_MODE", "append_bytes", "create_exclusive", "open_nofollow", "read_regular", "writable_dir",
+           "write_atomic"]
 
 FILE_MODE = 0o644  # the run directory itself is 0o700: its files need no tighter mode to be private
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -25,6 +27,30 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = FILE_MODE) -> int:
     """``os.open`` that refuses a symbolic link as the last component (``OSError`` with ``ELOOP``)."""
     return os.open(path, flags | _NOFOLLOW, mode)
+
+
+def read_regular(path: str | os.PathLike[str], max_bytes: int, *,
+                 follow_links: bool = True) -> tuple[bytes, os.stat_result]:
+    """At most ``max_bytes + 1`` bytes of ``path`` (a caller sees a longer file as too long) and its status.
+
+    Only a regular file is read: a FIFO, a device (``/dev/zero`` behind a link)
+    or a directory is refused before a byte is read, and the open never blocks.
+    ``follow_links=False`` refuses a link as the last component too.
+    ``FileNotFoundError`` when nothing is there; ``ValueError`` with the reason
+    (no path: the caller names the file) for the rest.
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ValueError(f"cannot be read: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        return f.read(max_bytes + 1), st
 
 
 def create_exclusive(path: str | os.PathLike[str], mode: int = FILE_MODE) -> int:

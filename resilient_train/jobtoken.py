@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from monitors.safefiles import read_regular
 from resilient_train.store import new_token
 
 __all__ = ["FINGERPRINT_KEY", "TOKEN_FILE", "check_fingerprint", "publish_fingerprint", "read_token_file",
@@ -54,21 +55,16 @@ def read_token_file(path: str | os.PathLike[str], what: str) -> str:
     """The token in ``path``: a regular file (not a link) of this user, unreadable by anyone else, holding
     16 to 512 token characters. ``ValueError`` naming ``what`` otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise ValueError(f"{what} {str(path)!r}: cannot be read: {e.strerror or e}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise ValueError(f"{what} {str(path)!r}: not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        if st.st_uid != os.geteuid():
-            raise ValueError(f"{what} {str(path)!r}: belongs to uid {st.st_uid}, not to this user: its owner knows "
-                             "the job's secret")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            raise ValueError(f"{what} {str(path)!r}: mode {stat.S_IMODE(st.st_mode):o} lets other users read the "
-                             "job's secret (chmod 600 it)")
-        raw = f.read(_MAX_BYTES + 1)
+        raw, st = read_regular(path, _MAX_BYTES, follow_links=False)
+    except (OSError, ValueError) as e:
+        reason = f"cannot be read: {e.strerror or e}" if isinstance(e, OSError) else str(e)
+        raise ValueError(f"{what} {str(path)!r}: {reason}") from None
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"{what} {str(path)!r}: belongs to uid {st.st_uid}, not to this user: its owner knows "
+                         "the job's secret")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ValueError(f"{what} {str(path)!r}: mode {stat.S_IMODE(st.st_mode):o} lets other users read the "
+                         "job's secret (chmod 600 it)")
     token = raw.decode("utf-8", "replace").strip()
     if len(raw) > _MAX_BYTES or not _TOKEN.fullmatch(token):
         raise ValueError(f"{what} {str(path)!r}: expected one token of 16 to 512 letters, digits or -_+/=.")
