@@ -1,6 +1,6 @@
 """Steady cost of the supervisor on FSDP2: a plain ``fully_shard`` loop and the same under the supervisor, interleaved.
 
-Every rank runs the variants in turn, in the same order, a few rounds, each
+Every rank runs the variants in turn (in reverse order every other round), a few rounds, each
 block on a freshly built (same seed) model:
 
 * ``plain``: ``init_process_group`` + ``init_device_mesh`` + ``fully_shard`` + AdamW, the usual step;
@@ -86,7 +86,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
         return loss.detach()
 
     for rnd in range(args.rounds):
-        for variant in args.variants:
+        for variant in (args.variants if rnd % 2 == 0 else args.variants[::-1]):  # drift falls on all alike
             _hwm_reset()
             stamps: list[float] = []
             extra: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Steady cost of the supervisor: a plain DDP loop and the same loop under the supervisor, interleaved.
 
-Every rank runs the variants in turn, in the same order, a few rounds, on the
+Every rank runs the variants in turn (in reverse order every other round), a few rounds, on the
 same model and optimizer (training simply goes on from block to block):
 
 * ``plain``: ``init_process_group`` + ``DDP(model)`` + the usual step;
@@ -138,7 +138,9 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
 
     for rnd in range(args.rounds):
         for size in args.batch:
-            for variant in args.variants:
+            # odd rounds in the reverse order: a drift of the machine (warming up, a neighbour) falls on
+            # every variant alike instead of favouring whichever runs last
+            for variant in (args.variants if rnd % 2 == 0 else args.variants[::-1]):
                 if variant == "final" and (rnd > 0 or size != args.batch[0]):
                     continue  # one final state is enough: its write is what is measured
                 block = Block(args.warmup, args.steps, sync)
