@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from monhelp import wait_for
 from jobs import REPO, Job, cli, free_port
 
 from monitors.cli import status_main, straggler_main
@@ -177,5 +177,7 @@ def test_a_slow_node_of_one_rank_is_flagged_against_the_other_node(tmp_path) -> 
     reports = _of(run, "straggler_report")
     assert any(r["job_nodes"] == 2 for r in reports), reports[-3:]
     detected = _of(run, "straggler_detected")
-    assert [d["rank"] for d in detected] == [1], detected
-    assert detected[0]["relative"] < 0.75
+    # rank 1 only; it may be flagged again after an interval where the loaded host slowed rank 0 as much
+    # (a flag is new each time a rank's run of intervals below the threshold reaches the patience)
+    assert detected and {d["rank"] for d in detected} == {1}, detected
+    assert all(d["relative"] < 0.75 for d in detected), detected

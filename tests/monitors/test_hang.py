@@ -11,7 +11,7 @@ from multiprocessing.process import BaseProcess
 from typing import Sequence
 
 import pytest
-from conftest import CTX, Procs, wait_for, wait_step
+from monhelp import CTX, Procs, wait_for, wait_step
 from monitor_workers import gloo_rank, train_loop
 
 from monitors.hang import IMPOSSIBLE_READS_BEFORE_JUDGING, Hang, HangConfig, HangDetector
@@ -39,7 +39,7 @@ def _frozen_since(run_dir: str, rank: int) -> float:
 def test_sigstop_is_detected_within_timeout(tmp_path, procs: Procs) -> None:
     run = str(tmp_path)
     p = procs.start(train_loop, run, 0, {})
-    det = HangDetector(HangConfig(timeouts={s: TIMEOUT for s in ("data", "forward", "backward", "all-reduce",
+    det = HangDetector(HangConfig(timeouts_s={s: TIMEOUT for s in ("data", "forward", "backward", "all-reduce",
                                                                  "optimizer")}), run, [0])
     wait_step(run, 0, 3)
     assert det.poll() == []
@@ -57,7 +57,7 @@ def test_sigstop_is_detected_within_timeout(tmp_path, procs: Procs) -> None:
 def test_gil_holding_spin_is_detected(tmp_path, procs: Procs) -> None:
     run = str(tmp_path)
     procs.start(train_loop, run, 0, {"hang_at": 5, "hang": "spin"})
-    det = HangDetector(HangConfig(computed=False, default_timeout=TIMEOUT), run, [0])
+    det = HangDetector(HangConfig(computed=False, default_timeout_s=TIMEOUT), run, [0])
     hang = _detect(det, 0, budget=30.0)  # start-up included; the rank hangs at step 5
     assert (hang.section, hang.step, hang.timeout_s) == ("forward", 5, TIMEOUT)
     assert hang.since_progress_s <= TIMEOUT + 2.0
@@ -68,7 +68,7 @@ def test_blocked_data_loading_is_detected_while_a_heartbeat_thread_runs(tmp_path
     run = str(tmp_path)
     ticks = CTX.Value("q", 0)
     procs.start(train_loop, run, 0, {"hang_at": 4, "hang": "block-data", "hang_section": "data", "ticks": ticks})
-    det = HangDetector(HangConfig(computed=False, default_timeout=TIMEOUT), run, [0])
+    det = HangDetector(HangConfig(computed=False, default_timeout_s=TIMEOUT), run, [0])
     hang = _detect(det, 0, budget=30.0)
     assert (hang.section, hang.step) == ("data", 4)
     assert hang.since_progress_s <= TIMEOUT + 2.0
@@ -89,7 +89,7 @@ def test_collective_blocked_by_a_stopped_peer(tmp_path, procs: Procs) -> None:
     store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     result_r, result_w = CTX.Pipe(duplex=False)
     ranks = [procs.start(gloo_rank, run, rank, 2, store.port, 5, result_w) for rank in (0, 1)]
-    cfg = HangConfig(computed=False, default_timeout=TIMEOUT, timeouts={"forward": 2 * TIMEOUT})
+    cfg = HangConfig(computed=False, default_timeout_s=TIMEOUT, timeouts_s={"forward": 2 * TIMEOUT})
     det = HangDetector(cfg, run, [0, 1])
     hang1 = _detect(det, 1, budget=120.0, alive=ranks)  # includes two torch imports on a loaded machine
     hangs = {h.rank: h for h in det.poll()}
@@ -108,7 +108,7 @@ def test_computed_timeouts_merge_ranks_and_round_trip_as_json(tmp_path, procs: P
     run = str(tmp_path)
     for rank in (0, 1):
         procs.start(train_loop, run, rank, {"steps": 12, "slow_rank": 1, "slow_factor": 3.0})
-    cfg = HangConfig(safety_factor=4.0, min_observations=10, min_timeout=0.01, default_timeout=99.0)
+    cfg = HangConfig(safety_factor=4.0, min_observations=10, min_timeout_s=0.01, default_timeout_s=99.0)
     det = HangDetector(cfg, run, [0, 1])
     assert det.timeout("backward") == 99.0
     readers = [ProgressReader(run, r) for r in (0, 1)]
@@ -117,7 +117,7 @@ def test_computed_timeouts_merge_ranks_and_round_trip_as_json(tmp_path, procs: P
     maxima = [rd.read().section_max_s["backward"] for rd in readers]
     assert det.timeout("backward") == pytest.approx(4.0 * max(maxima))
     assert max(maxima) == maxima[1]  # rank 1 is the slow one: its maximum wins
-    assert det.timeout("checkpoint") == cfg.long_section_timeout
+    assert det.timeout("checkpoint") == cfg.long_section_timeout_s
     state = json.loads(json.dumps(det.state_dict()))
     fresh = HangDetector(cfg, run, [])
     fresh.load_state_dict(state)
@@ -128,7 +128,7 @@ def test_computed_timeouts_merge_ranks_and_round_trip_as_json(tmp_path, procs: P
 @pytest.mark.timeout(60)
 def test_startup_window_and_reset_after_respawn(tmp_path, procs: Procs) -> None:
     run = str(tmp_path)
-    cfg = HangConfig(computed=False, default_timeout=TIMEOUT, startup_timeout=5.0)
+    cfg = HangConfig(computed=False, default_timeout_s=TIMEOUT, startup_timeout_s=5.0)
     t0 = time.monotonic()
     det = HangDetector(cfg, run, [0])
     assert det.poll(t0 + 6.0) == []  # never reported progress (a plain script): not watched
@@ -192,7 +192,7 @@ def test_a_section_cut_short_by_a_fault_does_not_grow_the_computed_timeout(tmp_p
     assert len(completed) == 12
     assert snap.section_count["all-reduce"] == 12  # the interrupted one is not counted
     assert snap.section_max_s["all-reduce"] == max(completed)
-    det = HangDetector(HangConfig(min_observations=10, min_timeout=1e-9), str(tmp_path), [0])
+    det = HangDetector(HangConfig(min_observations=10, min_timeout_s=1e-9), str(tmp_path), [0])
     det.poll()
     assert det.timeout("all-reduce") == pytest.approx(5.0 * max(completed))
     rep.close()
@@ -208,7 +208,7 @@ def test_a_slot_read_with_an_impossible_progress_time_is_not_judged(tmp_path) ->
 
     rep = ProgressReporter(tmp_path, 0)
     rep.enter("data", 7)
-    det = HangDetector(HangConfig(computed=False, default_timeout=0.5), str(tmp_path), [0])
+    det = HangDetector(HangConfig(computed=False, default_timeout_s=0.5), str(tmp_path), [0])
     with open(progress_path(tmp_path, 0), "r+b") as f:
         mm = mmap.mmap(f.fileno(), 0)
         t_off = struct.calcsize("<4sIiIQQqii")  # the header's last-progress time (see monitors.progress._HEADER)
@@ -244,7 +244,7 @@ def test_ranks_waiting_in_recovery_are_not_killed_for_a_peer_stuck_in_an_old_col
     writers[0].enter("recovery", 7, generation=1)  # it left generation 0: heading to the next
     writers[1].enter("recovery", 7, generation=1)
     writers[2].enter("all-reduce", 7, generation=0)
-    det = HangDetector(HangConfig(computed=False, default_timeout=1.0, long_section_timeout=1.0), run, range(3))
+    det = HangDetector(HangConfig(computed=False, default_timeout_s=1.0, long_section_timeout_s=1.0), run, range(3))
     later = max(_frozen_since(run, r) for r in range(3)) + 5.0
     hangs = {h.rank: h for h in det.poll(later)}
     assert hangs[2].waiting_on == () and hangs[0].waiting_on == (2,) and hangs[1].waiting_on == (2,)
@@ -275,8 +275,8 @@ def test_a_rank_training_is_not_killed_while_a_peer_still_restores_into_its_gene
     writers[0].enter("data", 12, generation=1)
     writers[0].enter("all-reduce", 12, generation=1)
     writers[1].enter("recovery", 12, generation=1)  # healing
-    det = HangDetector(HangConfig(min_observations=10, min_timeout=0.1, default_timeout=1.0,
-                                  long_section_timeout=60.0), run, range(2))
+    det = HangDetector(HangConfig(min_observations=10, min_timeout_s=0.1, default_timeout_s=1.0,
+                                  long_section_timeout_s=60.0), run, range(2))
     later = max(_frozen_since(run, r) for r in range(2)) + 5.0
     hangs = det.poll(later)
     assert [(h.rank, h.waiting_on) for h in hangs] == [(0, (1,))]
@@ -292,7 +292,7 @@ def test_a_collective_is_timed_from_its_last_local_arrival(tmp_path) -> None:
 
     run = str(tmp_path)
     writers = [ProgressReporter(run, r) for r in range(2)]
-    det = HangDetector(HangConfig(min_observations=10, min_timeout=0.2, safety_factor=1e-9), run, range(2))
+    det = HangDetector(HangConfig(min_observations=10, min_timeout_s=0.2, safety_factor=1e-9), run, range(2))
     for w in writers:
         _steady(w, 0, range(12))
     writers[0].enter("all-reduce", 12, generation=0)
@@ -311,7 +311,7 @@ def test_a_collective_is_timed_from_its_last_local_arrival(tmp_path) -> None:
 @pytest.mark.timeout(30)
 def test_the_first_step_of_a_generation_is_timed_as_an_unobserved_section(tmp_path) -> None:
     """A replacement's first step (cold caches) and a survivor's first collective after a recovery get
-    ``default_timeout``, not the computed one; the step after it is timed as usual, and the first step's
+    ``default_timeout_s``, not the computed one; the step after it is timed as usual, and the first step's
     sections are not observations of their durations."""
 
     run = str(tmp_path)
@@ -328,7 +328,7 @@ def test_the_first_step_of_a_generation_is_timed_as_an_unobserved_section(tmp_pa
     w.enter("data", 12, generation=1)
     w.enter("forward", 12, generation=1)
     w.enter("backward", 12, generation=1)
-    cfg = HangConfig(min_observations=10, min_timeout=0.1, safety_factor=1e-9, default_timeout=2.0)
+    cfg = HangConfig(min_observations=10, min_timeout_s=0.1, safety_factor=1e-9, default_timeout_s=2.0)
     det = HangDetector(cfg, run, [0])
     since = _frozen_since(run, 0)
     assert det.poll(since + 1.0) == []  # computed: 0.1 s; the first step: 2 s
@@ -359,7 +359,7 @@ def test_a_rank_stopped_inside_a_collective_is_the_one_killed(tmp_path, procs: P
     writers = {r: ProgressReporter(run, r) for r in (0, 2)}
     for w in writers.values():
         w.enter("all-reduce", 3)
-    det = HangDetector(HangConfig(computed=False, default_timeout=0.5), run, range(3))
+    det = HangDetector(HangConfig(computed=False, default_timeout_s=0.5), run, range(3))
     hangs = det.poll(max(_frozen_since(run, r) for r in range(3)) + 1.0)
     assert sorted((h.rank, h.section, h.step, h.waiting_on, h.stopped) for h in hangs) == [
         (0, "all-reduce", 3, (), False), (1, "all-reduce", 3, (), True), (2, "all-reduce", 3, (), False)]

@@ -7,7 +7,7 @@ import re
 import urllib.request
 
 import pytest
-from conftest import CTX, Procs, wait_for, wait_step
+from monhelp import CTX, Procs, wait_for, wait_step
 from monitor_workers import train_loop
 
 from monitors.cli import status_main

@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from conftest import CTX, Procs, wait_for
+from monhelp import CTX, Procs, wait_for
 
 from monitors.stacks import StackDumps, install_stack_dump, is_stopped, stacks_path
 

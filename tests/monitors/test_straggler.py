@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 
 import pytest
-from conftest import CTX, Procs, wait_for, wait_step
+from monhelp import CTX, Procs, wait_for, wait_step
 from monitor_workers import train_loop
 
 from monitors.cli import straggler_main
