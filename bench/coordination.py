@@ -185,8 +185,8 @@ class SimRank:
         return plan
 
     def recover(self) -> None:
-        """What the supervisor's _judge and _recover do with the store: read a stop, report the fault (a woken
-        rank does neither: it joins the next generation, which tells)."""
+        """What a recovery's judge and leave do with the store (resilient_train.recovery): read a stop, report
+        the fault (a woken rank does neither: it joins the next generation, which tells)."""
         if rendezvous.stop_after_failure(self.store, self.watcher) is not None:
             raise RuntimeError("the bench's job was stopped")
         g = self.watcher.generation

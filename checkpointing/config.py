@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from monitors.configtree import file_defaults
+
 __all__ = ["AsyncMode", "CheckpointConfig", "InFlightPolicy"]
 
 
@@ -20,6 +22,7 @@ class InFlightPolicy(str, Enum):
     SKIP = "skip"  # ... or is skipped (and logged)
 
 
+@file_defaults("checkpoint")
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Where and how often to checkpoint, what to keep, and how saves overlap training.
@@ -31,16 +34,16 @@ class CheckpointConfig:
     entries, so it means the same thing on any number of ranks.
     """
 
-    directory: str | os.PathLike[str]
+    directory: str | os.PathLike[str]  # a run config's default: RUN_DIR/checkpoints
     interval: int = 0  # save every `interval` steps (see should_save); 0: only when asked
     keep_last: int = 2  # the newest K committed checkpoints are kept
     keep_every: int = 0  # and every step divisible by N, forever (0: none)
-    async_mode: AsyncMode | str = AsyncMode.PROCESS
-    in_flight: InFlightPolicy | str = InFlightPolicy.WAIT
-    local_keys: tuple[str, ...] = ()
+    async_mode: AsyncMode | str = AsyncMode.PROCESS  # process: a writer process saves while training goes on
+    in_flight: InFlightPolicy | str = InFlightPolicy.WAIT  # a save asked for while one is in flight: wait or skip
+    local_keys: tuple[str, ...] = ()  # top-level state entries that differ per rank (each rank writes its own)
     run_id: str | None = None  # written into manifests; loading rejects other runs' manifests when set
     timeout_s: float = 600.0  # bound on every wait of a save: writer, peers, commit
-    store_prefix: str = "ckpt"
+    store_prefix: str = "ckpt"  # the checkpoints' keys in the store
     console: bool = True  # rank 0 tells resume, fallback and a full disk on stderr too (not only in events)
     piece_mb: float = 128.0  # a synchronous save (async_mode="disabled") holds at most this much on the host at once
 

@@ -31,6 +31,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
+from monitors.configtree import file_defaults
+
 # Sections that end before the step's gradient all-reduce is queued. Closing an NVRx section disables
 # CUPTI's kernel activity, which waits for the kernels in flight: with an all-reduce queued behind a dead
 # peer it never returns (seen on 2 x H200: a survivor stuck there until the agent killed it as hung).
@@ -39,11 +41,12 @@ PRE_COLLECTIVE_SECTIONS: tuple[str, ...] = ("data", "forward", "backward")
 __all__ = ["CuptiConfig", "CuptiKernelScores", "nvrx_installed", "unavailable_reason"]
 
 
+@file_defaults("supervisor.cupti")
 @dataclass(kw_only=True)
 class CuptiConfig:
-    report_every_steps: int = 100
+    report_every_steps: int = 100  # every rank reports its kernel scores every N steps
     threshold: float = 0.75  # a GPU's kernel score below this names it a straggler in the report
-    sections: tuple[str, ...] = PRE_COLLECTIVE_SECTIONS
+    sections: tuple[str, ...] = PRE_COLLECTIVE_SECTIONS  # profiled (a subset of data, forward, backward)
 
     def __post_init__(self) -> None:
         if not self.sections or set(self.sections) - set(PRE_COLLECTIVE_SECTIONS):

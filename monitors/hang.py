@@ -4,17 +4,20 @@ The node agent calls ``HangDetector.poll(now)`` from its monitor loop. A rank is
 hung when the time since its main thread last entered a section exceeds that
 section's timeout. Timeouts are, in order of precedence:
 
-1. explicit, per section (``HangConfig.timeouts``);
-2. ``startup_timeout`` before a rank's first progress and in "startup";
-   ``long_section_timeout`` in "load", "checkpoint" and "recovery";
+1. explicit, per section (``HangConfig.timeouts_s``);
+2. ``startup_timeout_s`` before a rank's first progress and in "startup";
+   ``long_section_timeout_s`` in "load", "checkpoint" and "recovery";
 3. computed: the largest duration any rank has shown for the section, times
-   ``safety_factor`` (at least ``min_timeout``, at most the longest timeout the
-   configuration grants: ``HangConfig.longest_timeout``), once the section has
+   ``safety_factor`` (at least ``min_timeout_s``, at most the longest timeout the
+   configuration grants: ``HangConfig.longest_timeout_s``), once the section has
    been seen ``min_observations`` times across ranks; in a rank's first step of a
-   generation (its slot says so), at least ``default_timeout``: a
+   generation (its slot says so), at least ``default_timeout_s``: a
    replacement's first step runs on cold caches and a survivor's first
    collective waits for peers still healing;
-4. ``default_timeout`` otherwise.
+4. ``default_timeout_s`` otherwise.
+
+The names without ``_s`` (``min_timeout``, ``timeouts``, ...) still work for one release, with a
+``DeprecationWarning``.
 
 A rank in a collective is timed from the moment the last of its local peers
 in that generation entered one, not from its own entry: it cannot be blamed
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from monitors.configfile import MAX_COUNT, MAX_SECONDS, kind, require_bool, require_int, require_number, require_strs
+from monitors.configtree import renamed
 from monitors.progress import ProgressReader, ProgressSnapshot
 from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS, Section
 from monitors.stacks import is_stopped
@@ -60,30 +64,33 @@ MAX_SAFETY_FACTOR = 100.0
 OBSERVED_SLACK = 2.0
 
 
+@renamed(timeouts="timeouts_s", min_timeout="min_timeout_s", default_timeout="default_timeout_s",
+         startup_timeout="startup_timeout_s", long_section_timeout="long_section_timeout_s",
+         longest_timeout="longest_timeout_s")
 @dataclass(kw_only=True)
 class HangConfig:
-    enabled: bool = True
-    timeouts: dict[str, float] = field(default_factory=dict)
-    computed: bool = True
-    safety_factor: float = 5.0
-    min_observations: int = 10
-    min_timeout: float = 3.0  # a floor: a loaded host may deschedule a healthy rank for a while
-    default_timeout: float = 60.0
-    startup_timeout: float = 300.0
-    long_section_timeout: float = 600.0
-    collective_sections: tuple[str, ...] = tuple(sorted(COLLECTIVE_SECTIONS))
+    enabled: bool = True  # off: no rank is ever taken for hung
+    timeouts_s: dict[str, float] = field(default_factory=dict)  # per section, seconds: fixed, never computed
+    computed: bool = True  # timeouts computed from the durations observed (else the defaults below)
+    safety_factor: float = 5.0  # a computed timeout: this times the longest duration seen for the section
+    min_observations: int = 10  # times a section is seen, across ranks, before its timeout is computed
+    min_timeout_s: float = 3.0  # a floor: a loaded host may deschedule a healthy rank for a while
+    default_timeout_s: float = 60.0  # a section not yet computed, and every rank's first step of a generation
+    startup_timeout_s: float = 300.0  # before a rank's first progress, and in "startup"
+    long_section_timeout_s: float = 600.0  # in "load", "checkpoint" and "recovery"
+    collective_sections: tuple[str, ...] = tuple(sorted(COLLECTIVE_SECTIONS))  # a rank in these waits on peers
 
     def __post_init__(self) -> None:
         require_bool(self.enabled, "hang.enabled")
         require_bool(self.computed, "hang.computed")
-        if not isinstance(self.timeouts, dict):
-            raise ValueError(f"hang.timeouts must be a mapping of section to seconds, got {kind(self.timeouts)}")
-        unknown = sorted(str(s) for s in set(self.timeouts) - set(SECTIONS))
+        if not isinstance(self.timeouts_s, dict):
+            raise ValueError(f"hang.timeouts_s must be a mapping of section to seconds, got {kind(self.timeouts_s)}")
+        unknown = sorted(str(s) for s in set(self.timeouts_s) - set(SECTIONS))
         if unknown:
-            raise ValueError(f"hang.timeouts: unknown sections {unknown}; expected some of {list(SECTIONS)}")
-        for section, t in self.timeouts.items():
-            require_number(t, f"hang.timeouts.{section}", above=0, high=MAX_SECONDS)
-        for name in ("min_timeout", "default_timeout", "startup_timeout", "long_section_timeout"):
+            raise ValueError(f"hang.timeouts_s: unknown sections {unknown}; expected some of {list(SECTIONS)}")
+        for section, t in self.timeouts_s.items():
+            require_number(t, f"hang.timeouts_s.{section}", above=0, high=MAX_SECONDS)
+        for name in ("min_timeout_s", "default_timeout_s", "startup_timeout_s", "long_section_timeout_s"):
             require_number(getattr(self, name), f"hang.{name}", above=0, high=MAX_SECONDS)
         require_number(self.safety_factor, "hang.safety_factor", above=0, high=MAX_SAFETY_FACTOR)
         require_int(self.min_observations, "hang.min_observations", low=1, high=MAX_COUNT)
@@ -91,9 +98,10 @@ class HangConfig:
                                                 choices=SECTIONS)
 
     @property
-    def longest_timeout(self) -> float:
+    def longest_timeout_s(self) -> float:
         """The longest timeout this configuration grants any section; a computed one never exceeds it."""
-        return max(self.default_timeout, self.startup_timeout, self.long_section_timeout, *self.timeouts.values())
+        return max(self.default_timeout_s, self.startup_timeout_s, self.long_section_timeout_s,
+                   *self.timeouts_s.values())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,16 +175,16 @@ class HangDetector:
     def timeout(self, section: str, *, first_step: bool = False) -> float:
         """The timeout applied now to a rank in ``section`` (of its first step in a generation)."""
         c = self.config
-        if section in c.timeouts:
-            return c.timeouts[section]
+        if section in c.timeouts_s:
+            return c.timeouts_s[section]
         if section == "startup":
-            return c.startup_timeout
+            return c.startup_timeout_s
         if section in LONG_SECTIONS:
-            return c.long_section_timeout
+            return c.long_section_timeout_s
         if c.computed and self._count.get(section, 0) >= c.min_observations:
-            computed = min(max(c.min_timeout, c.safety_factor * self._max[section]), c.longest_timeout)
-            return max(computed, c.default_timeout) if first_step else computed
-        return c.default_timeout
+            computed = min(max(c.min_timeout_s, c.safety_factor * self._max[section]), c.longest_timeout_s)
+            return max(computed, c.default_timeout_s) if first_step else computed
+        return c.default_timeout_s
 
     def poll(self, now: float | None = None) -> list[Hang]:
         """Hung ranks, oldest progress first. ``now`` is ``time.monotonic()`` seconds."""
@@ -284,7 +292,7 @@ class HangDetector:
         """Merges saved observations (largest maxima win, counts add up).
 
         Every value is checked before anything is merged: a maximum must be a finite number in
-        [0, ``OBSERVED_SLACK`` x ``longest_timeout``], a count an integer in [0, ``MAX_COUNT``], a saved
+        [0, ``OBSERVED_SLACK`` x ``longest_timeout_s``], a count an integer in [0, ``MAX_COUNT``], a saved
         timeout a number in (0, ``MAX_SECONDS``] (then unused: timeouts are computed again here). A bad
         one raises ``ValueError`` (one line naming the field) and changes nothing. Sections this version
         does not know are ignored.
@@ -294,7 +302,7 @@ class HangDetector:
         version = state.get("version")
         if isinstance(version, bool) or version != 1:
             raise ValueError(f"unsupported hang-detector state version {version!r}")
-        high = OBSERVED_SLACK * self.config.longest_timeout
+        high = OBSERVED_SLACK * self.config.longest_timeout_s
         maxima = {s: float(require_number(v, f"hang.observed_max_s.{s}", low=0, high=high))
                   for s, v in _known_sections(state, "observed_max_s").items()}
         counts = {s: require_int(n, f"hang.observations.{s}", low=0, high=MAX_COUNT)

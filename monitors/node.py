@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from monitors.configfile import check_fields, kind, load_config_file, require_bool, require_int, require_str
+from monitors.configfile import kind, load_config_file, require_bool, require_int, require_str
+from monitors.configtree import build
 from monitors.events import EventLog
 from monitors.hang import Hang, HangConfig, HangDetector, ranks_to_kill
 from monitors.jobwide import JobWideBest
@@ -31,7 +32,7 @@ from monitors.straggler import StragglerConfig, StragglerDetector, StragglerRepo
 __all__ = ["MAX_RANKS_PER_CORE", "MetricsConfig", "MonitorConfig", "MonitorResult", "NodeMonitor", "max_local_ranks"]
 
 # Ranks one node may run per CPU core. The test suite runs 4 ranks on 2 cores; much past that a healthy
-# rank waits for a core longer than the hang detector's floor (HangConfig.min_timeout, 3 s) and is killed
+# rank waits for a core longer than the hang detector's floor (HangConfig.min_timeout_s, 3 s) and is killed
 # as hung, and every rank is an interpreter with torch imported (about 0.2 GiB, twice with its
 # checkpoint writer process).
 MAX_RANKS_PER_CORE = 4
@@ -46,8 +47,8 @@ def max_local_ranks(cpus: int | None = None) -> int:
 
 @dataclass(kw_only=True)
 class MetricsConfig:
-    prometheus: bool = True
-    prometheus_host: str = "127.0.0.1"
+    prometheus: bool = True  # serve the scores and section times as Prometheus metrics
+    prometheus_host: str = "127.0.0.1"  # the address the endpoint binds
     prometheus_port: int = 0  # 0 picks a free port; see NodeMonitor.prometheus_url
     tensorboard: bool = True  # used only when tensorboard is importable
     tensorboard_dir: str | None = None  # default RUN_DIR/tensorboard
@@ -63,9 +64,9 @@ class MetricsConfig:
 
 @dataclass(kw_only=True)
 class MonitorConfig:
-    hang: HangConfig = field(default_factory=HangConfig)
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    hang: HangConfig = field(default_factory=HangConfig)  # hung ranks: killed and recovered
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)  # slow ranks: logged or replaced
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # where the findings go besides events.jsonl
 
     @classmethod
     def from_dict(cls, data: Any) -> "MonitorConfig":
@@ -76,14 +77,7 @@ class MonitorConfig:
         unknown = sorted(str(k) for k in data if k not in parts)
         if unknown:
             raise ValueError(f"unknown section(s) {unknown}; expected some of {sorted(parts)}")
-        kwargs: dict[str, Any] = {}
-        for name, kind_ in parts.items():
-            sub = data.get(name)
-            sub = dict(check_fields(sub, [f.name for f in fields(kind_)], name) if sub is not None else {})
-            for key in ("sections", "scores", "collective_sections"):
-                if isinstance(sub.get(key), list):
-                    sub[key] = tuple(sub[key])
-            kwargs[name] = kind_(**sub)
+        kwargs = {name: build(parts[name], sub, name) for name, sub in data.items() if sub is not None}
         return cls(**kwargs)
 
     @classmethod

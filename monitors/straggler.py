@@ -38,14 +38,14 @@ SCORES = ("relative", "individual")
 
 @dataclass(kw_only=True)
 class StragglerConfig:
-    enabled: bool = True
-    threshold: float = 0.75
-    report_interval_s: float = 5.0
-    patience: int = 2
-    min_steps: int = 3
-    policy: str = "log"
-    sections: tuple[str, ...] = COMPUTE_SECTIONS
-    scores: tuple[str, ...] = ("relative",)
+    enabled: bool = True  # steered at run time too: resilient-train straggler RUN_DIR --on/--off
+    threshold: float = 0.75  # a score below this counts as slow
+    report_interval_s: float = 5.0  # scores are computed and reported this often
+    patience: int = 2  # intervals in a row below the threshold before a rank is flagged
+    min_steps: int = 3  # steps a rank must complete in an interval to be scored
+    policy: str = "log"  # a flagged rank: "log" it, or "replace" it
+    sections: tuple[str, ...] = COMPUTE_SECTIONS  # a rank's own work, timed (not its waits for peers)
+    scores: tuple[str, ...] = ("relative",)  # relative (to the fastest rank), individual (to its own best)
 
     def __post_init__(self) -> None:
         require_bool(self.enabled, "straggler.enabled")

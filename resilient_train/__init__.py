@@ -4,10 +4,22 @@ Wrap an existing loop::
 
     state = resilient_train.TrainState(model=model, optimizer=optimizer)
     resilient_train.Supervisor(resilient_train.SupervisorConfig(steps=1000)).run(train_step, state)
+
+Every config class is here: ``RunConfig`` composes the sections (README, "Configuration").
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from checkpointing import AsyncMode, CheckpointConfig, InFlightPolicy
+from monitors import MetricsConfig, MonitorConfig
+from monitors.cupti_kernels import CuptiConfig
+from monitors.dashboard.server import DashboardConfig
+from monitors.hang import HangConfig
+from monitors.straggler import StragglerConfig
+
 from resilient_train.env import WorkerEnv
-from resilient_train.rerun import RerunConfig
+from resilient_train.rerun import OnGenuine, RerunConfig, RerunMode
 from resilient_train.context import StepContext
 from resilient_train.errors import GenerationFailed, UsageError
 from resilient_train.heartbeat import heartbeat
@@ -16,15 +28,30 @@ from resilient_train.preempt import PreemptionConfig
 from resilient_train.sharded import ShardedModule
 from resilient_train.supervisor import Supervisor, SupervisorConfig
 from resilient_train.train_state import Stateful, TrainState
+from resilient_train.workerio import OutputConfig
 
 __all__ = [
+    "AgentConfig",
+    "AsyncMode",
+    "CheckpointConfig",
+    "CuptiConfig",
+    "DashboardConfig",
     "GenerationFailed",
+    "HangConfig",
+    "InFlightPolicy",
     "MeshSpec",
+    "MetricsConfig",
+    "MonitorConfig",
+    "OnGenuine",
+    "OutputConfig",
     "PreemptionConfig",
     "RerunConfig",
+    "RerunMode",
+    "RunConfig",
     "ShardedModule",
     "StepContext",
     "Stateful",
+    "StragglerConfig",
     "Supervisor",
     "SupervisorConfig",
     "TrainState",
@@ -34,3 +61,18 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# The agent's side, imported when first named: a rank that imports resilient_train does not load the agent.
+_LAZY = {"AgentConfig": "resilient_train.agent.config", "RunConfig": "resilient_train.runconfig"}
+
+if TYPE_CHECKING:
+    from resilient_train.agent.config import AgentConfig
+    from resilient_train.runconfig import RunConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'resilient_train' has no attribute {name!r}")

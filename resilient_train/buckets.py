@@ -7,6 +7,10 @@ rebuilds its buckets with, so a DDP handed the parameters in this order
 rebuilds onto exactly this plan: :func:`resilient_train.ddp.fix_buckets`). It
 never depends on the order gradients became ready, so it is the same in every
 generation and on every rank.
+
+Parameters of several floating-point dtypes (an fp32 norm beside bf16
+weights) are fine: torch's rule never puts two dtypes in one bucket, so each
+bucket is one flat buffer of one dtype, in the plan and in DDP alike.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from resilient_train.errors import UsageError
 
 __all__ = ["BucketPlan", "DEFAULT_BUCKET_MB"]
 
@@ -29,10 +35,11 @@ class BucketPlan:
         # Deduplicated like DDP's own list (a shared parameter once, where it first appears), then reversed.
         ordered = [p for p in params if p.requires_grad and id(p) not in seen and not seen.add(id(p))]  # type: ignore[func-returns-value]
         if not ordered:
-            raise ValueError("no trainable parameters to reduce")
+            raise UsageError("no trainable parameters to reduce")
         bad = sorted({str(p.dtype) for p in ordered if not p.dtype.is_floating_point})
         if bad:
-            raise ValueError(f"floating-point parameters expected, got {bad}")
+            raise UsageError(f"the gradient reduction takes real floating-point parameters, got {bad} "
+                             "(parameters of several floating-point dtypes are fine)")
         self.bucket_mb = bucket_mb
         self.order = ordered[::-1]
         cap = max(1, int(bucket_mb * 2**20))

@@ -12,7 +12,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from resilient_train.agent import AgentConfig
 
 __all__ = ["main"]
 
@@ -28,26 +33,35 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     add_run_arguments(p)
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from monitors.dashboard.server import DashboardConfig
+def _cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
+    import warnings
+
+    from resilient_train.env import RT_RUN_CONFIG
     from resilient_train.agent import Agent, AgentError
-    from resilient_train.launch import agent_config
     from resilient_train.nativelog import FoldedStderr
     from resilient_train.preflight import check_run_inputs
+    from resilient_train.runflags import run_config
 
-    # Every bad flag is one line and exit 2 here, before any worker starts.
-    config = agent_config(
-        args, dashboard=DashboardConfig(host=args.dashboard_host, port=args.dashboard_port) if args.dashboard else None,
-    )
-    monitor = check_run_inputs(nproc_per_node=config.nproc_per_node, nnodes=config.nnodes, chaos=args.chaos,
-                               monitor_config=args.monitor_config, log_dir=args.log_dir)
-    if monitor is not None:
-        config.monitor = monitor
+    # Every bad flag or field is one line and exit 2 here, before any worker starts.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        run = run_config(args, argv)
+    for w in caught:  # an old field name in a file: one line each, the run goes on
+        print(f"resilient-train: warning: {w.message}", file=sys.stderr)
+    config = run.agent
+    if config.entry is None:
+        raise ValueError("no script to run: give SCRIPT (or agent.script in --config)")
+    check_run_inputs(nproc_per_node=config.nproc_per_node, nnodes=config.nnodes, chaos=config.chaos,
+                     monitor_config=None, log_dir=config.output.log_dir)
     try:
         agent = Agent(config)
     except AgentError as e:  # bad input: a port in use, a run directory that is not writable
         print(f"resilient-train: error: {e}", file=sys.stderr)
         return 2
+    # The effective config, for the record and for the ranks: their configs default from it (RT_RUN_CONFIG,
+    # read when a worker spawns, after this).
+    path = run.write(agent.run_dir / run_config_name(config))
+    config.env[RT_RUN_CONFIG] = str(path.resolve())
     # c10d's C++ warnings from the agent's own store connections, one per connection when node 0 goes, each
     # with a C++ stack: the agent says what happened in one line instead (resilient_train.nativelog).
     with FoldedStderr():
@@ -56,6 +70,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except AgentError as e:  # the run gave up
             print(f"resilient-train: {e}", file=sys.stderr)
             return e.exit_code
+
+
+def run_config_name(config: "AgentConfig") -> str:
+    """Node 0's agent writes RUN_DIR/run-config.yaml; the others (a shared run directory) their own."""
+    from resilient_train.runconfig import RUN_CONFIG_FILE
+
+    if config.spare:
+        return f"run-config.spare-{os.getpid()}.yaml"
+    return RUN_CONFIG_FILE if config.node_rank == 0 else f"run-config.node{config.node_rank}.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
-            return _cmd_run(args)
+            return _cmd_run(args, argv[1:])
         if args.command == "demo":
             from resilient_train.demo import run_demo
 

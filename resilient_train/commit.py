@@ -56,7 +56,8 @@ class CommitGate:
     def __init__(self, *, world_size: int, group: Callable[[], dist.ProcessGroup | None],
                  device: torch.device, vote: Callable[[], float], moved: Callable[[], bool],
                  decide: Callable[[float], None], before_update: Callable[[], None],
-                 on_optimizer: Callable[[], None] = lambda: None, stop: Callable[[], float] = lambda: 0.0) -> None:
+                 on_optimizer: Callable[[], None] = lambda: None, stop: Callable[[], float] = lambda: 0.0,
+                 unreduced: Callable[[], None] = lambda: None) -> None:
         self.world_size = world_size
         self._group = group
         self._device = device
@@ -66,6 +67,7 @@ class CommitGate:
         self._before_update = before_update
         self._on_optimizer = on_optimizer  # the optimizer phase begins (if the script did not mark it)
         self._stop = stop
+        self._unreduced = unreduced  # raises where a world > 1 would commit gradients no reducer averaged
         self.reducers: list[GradientReducer] = []
         self.committed = False
         self.stop_agreed = False  # some rank asked every rank to stop after this step (it rode with the vote)
@@ -118,7 +120,10 @@ class CommitGate:
         self.committed = True
 
     def _fallback_vote(self) -> tuple[float, float]:
-        """The vote and stop flag of a step whose gradients did not go through a reducer (one rank, or the user's own)."""
+        """The vote and stop flag of a step whose gradients did not go through a reducer (one rank, a sharded
+        model, DDP reducing the plan itself on NCCL, or a step with no gradients)."""
+        if self.world_size > 1 and not any(r.native for r in self.reducers):
+            self._unreduced()
         vote, stop = self._vote(), self._stop()
         if self.world_size == 1:
             return vote, stop

@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from chaos import Phase
 
-if TYPE_CHECKING:
-    from resilient_train.supervisor import Supervisor
+__all__ = ["StepContext", "StepFn", "StepRuntime"]
 
-__all__ = ["StepContext", "StepFn"]
+
+class StepRuntime(Protocol):
+    """What a step context asks of the runtime below it (the :class:`~resilient_train.stepping.Stepper`)."""
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+
+    def enter(self, phase: str, step: int) -> None: ...
+
+    def reduce_gradients(self) -> None: ...
+
+    def on_loss(self, loss: torch.Tensor, step: int, data_rank: int) -> torch.Tensor: ...
 
 
 class StepContext:
-    def __init__(self, sup: "Supervisor") -> None:
-        self._sup = sup
-        self.rank = sup.env.rank
-        self.world_size = sup.env.world_size
-        self.device = sup.device
+    def __init__(self, runtime: StepRuntime, *, rank: int, world_size: int, device: torch.device) -> None:
+        self._runtime = runtime
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
         self.step = 0
         self.phase: Phase = Phase.BETWEEN_STEPS
         # Whose batch this computation is: another rank's when a peer re-runs it (data = f(seed, step, data_rank)).
@@ -28,26 +41,26 @@ class StepContext:
 
     @property
     def generation(self) -> int:
-        return self._sup.generation
+        return self._runtime.generation
 
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The current generation's process group (a new one after every recovery)."""
-        return self._sup.group
+        return self._runtime.group
 
     def enter(self, phase: Phase | str) -> None:
         """Marks the start of a phase: faults are noticed and injected here."""
         self.phase = Phase(phase)
-        self._sup._enter(self.phase.value, self.step)
+        self._runtime.enter(self.phase.value, self.step)
 
     def average_gradients(self) -> None:
         """The data-parallel gradient reduction (the fixed bucket plan, with the commit vote), as its own phase."""
         self.enter(Phase.ALL_REDUCE)
-        self._sup._reduce_gradients()
+        self._runtime.reduce_gradients()
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Reports the step's loss before ``backward``; use the tensor it returns (value faults apply here)."""
-        return self._sup._on_loss(loss)
+        return self._runtime.on_loss(loss, self.step, self.data_rank)
 
 
 StepFn = Callable[[StepContext], Any]

@@ -17,11 +17,13 @@ the same as ``ctx.average_gradients()``; communication still overlaps backward.
 On NCCL (unless a part looks at the gradients) DDP reduces the plan's buckets
 itself, with no hook (:meth:`GradientReducer.can_go_native`).
 
-A script that builds DDP itself in ``on_new_group`` works too: the
-supervisor finds that DDP and registers the same hook, which copies its
-buckets into the plan and back (its buckets follow DDP's own grouping). A DDP
-built in an earlier generation and still in use is a misuse, stopped with one
-line.
+A script that builds DDP itself in ``on_new_group``, or inside the step in
+each generation, works too: the supervisor finds that DDP (after
+``on_new_group``, and at its first call after every restore) and registers
+the same hook, which copies its buckets into the plan and back (its buckets
+follow DDP's own grouping). A DDP built in an earlier generation and still in
+use, or one with a communication hook of its own, is a misuse, stopped with
+one line.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from resilient_train.phased import forward_in_phases
 from resilient_train.reducer import GradientReducer
 from resilient_train.store import request_stop
 
-__all__ = ["PlannedDDP", "ReplicatedModule", "adopt_user_ddp", "explain_ddp_before_run", "find_ddp"]
+__all__ = ["PlannedDDP", "ReplicatedModule", "adopt_ddp", "adopt_user_ddp", "explain_ddp_before_run", "find_ddp"]
 
 
 class PlannedDDP(DDP):
@@ -84,6 +86,11 @@ class ReplicatedModule(torch.nn.Module):
         for bad in ("process_group", "device_mesh"):
             if bad in ddp_kwargs:
                 raise UsageError(f"sup.ddp(..., {bad}=...): the supervisor gives DDP each generation's group itself")
+        odd = sorted({f"{name} ({p.dtype})" for name, p in module.named_parameters()
+                      if p.requires_grad and not p.dtype.is_floating_point})
+        if odd:
+            raise UsageError(f"sup.ddp(model): the fixed bucket plan reduces real floating-point gradients; "
+                             f"{', '.join(odd[:3])} {'is' if len(odd) == 1 else 'are'} not (mixed float dtypes are fine)")
         self.module = module
         self._kwargs = ddp_kwargs
         self._ddp: DDP | None = None
@@ -150,21 +157,40 @@ def find_ddp(module: torch.nn.Module) -> list[DDP]:
 
 def adopt_user_ddp(module: torch.nn.Module, group: dist.ProcessGroup, make_reducer: Callable[[], GradientReducer],
                    generation: int) -> int:
-    """Checks the DDPs a script built itself around ``module``; gives the current ones the plan's hook (the copy path).
+    """Gives the DDPs a script built itself around ``module`` on ``group`` the plan's hook (the copy path).
 
-    Returns how many were adopted. Raises :class:`UsageError` for a DDP of an
-    earlier generation (built once, outside ``on_new_group``).
+    Returns how many were adopted. A DDP of an earlier generation is left
+    alone here: a script that builds its DDP again inside the step still holds
+    the old one now. Calling it is refused (:class:`resilient_train.misuse.MisuseChecks`
+    looks at every DDP call from a restore on).
     """
-    adopted = 0
-    for ddp in find_ddp(module):
-        if ddp.process_group is not group:
-            raise UsageError(
-                f"a DistributedDataParallel built in an earlier generation is still in use in generation {generation}: "
-                "build it in on_new_group (or use sup.ddp(model)); each generation has a new process group")
-        if not getattr(ddp, "_comm_hooks", []):
-            make_reducer().register(ddp)
-            adopted += 1
-    return adopted
+    current = [ddp for ddp in find_ddp(module) if ddp.process_group is group]
+    return sum(adopt_ddp(ddp, group, lambda _: make_reducer(), generation) for ddp in current)
+
+
+def adopt_ddp(ddp: DDP, group: dist.ProcessGroup | None, make_reducer: Callable[[torch.nn.Module], GradientReducer],
+              generation: int) -> bool:
+    """Gives a DDP the script built itself the plan's hook (``make_reducer(ddp.module)``); True if it was adopted now.
+
+    ``sup.ddp``'s own DDP and one adopted already are left as they are. A DDP
+    of an earlier generation, or one with a communication hook of its own
+    (the plan's hook carries the commit vote), is refused (:class:`UsageError`).
+    """
+    if isinstance(ddp, PlannedDDP):
+        return False  # sup.ddp's: it has its reducer (or reduces the plan's buckets itself)
+    if ddp.process_group is not group:
+        raise UsageError(
+            f"a DistributedDataParallel built in an earlier generation is still in use in generation {generation}: "
+            "build it in on_new_group (or use sup.ddp(model)); each generation has a new process group")
+    hooks = getattr(ddp, "_comm_hooks", [])
+    if any(isinstance(state, GradientReducer) for _, state in hooks):
+        return False
+    if hooks:
+        raise UsageError("a DistributedDataParallel with a communication hook of its own: the supervisor's hook "
+                         "reduces the fixed bucket plan and carries the commit vote; drop register_comm_hook "
+                         "(or use sup.ddp(model))")
+    make_reducer(ddp.module).register(ddp)
+    return True
 
 
 def explain_ddp_before_run(store: dist.Store, rank: int) -> None:

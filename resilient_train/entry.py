@@ -19,8 +19,8 @@ class EntryKind(str, Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class Entry:
-    kind: EntryKind
-    target: str
+    kind: EntryKind  # script, module (python -m) or program (no python)
+    target: str  # the script's path, the module's name or the program
 
     def argv(self, args: list[str]) -> list[str]:
         if self.kind is EntryKind.PROGRAM:

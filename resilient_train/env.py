@@ -7,7 +7,10 @@ written for torchrun runs unmodified under ``resilient-train run``.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
+
+from monitors.configtree import RT_RUN_CONFIG  # the run config file the agent wrote (RUN_DIR/run-config.yaml)
 
 __all__ = [
     "RT_AGENT",
@@ -18,8 +21,10 @@ __all__ = [
     "RT_NODE_INCARNATION",
     "RT_REPRODUCIBLE",
     "RT_ROLE",
+    "RT_RUN_CONFIG",
     "RT_RUN_DIR",
     "WorkerEnv",
+    "since_spawn",
 ]
 
 # torchrun's names.
@@ -81,3 +86,9 @@ class WorkerEnv:
             generation=int(env.get(RT_GENERATION, "0")),
             replacement=env.get(RT_ROLE) == "replacement",
         )
+
+
+def since_spawn() -> float | None:
+    """Seconds from the agent starting this worker to now (None without an agent)."""
+    spawned = os.environ.get(RT_SPAWNED_AT)
+    return round(time.time() - float(spawned), 3) if spawned else None

@@ -15,10 +15,12 @@ back here (the only place this package touches torch's private state):
 from __future__ import annotations
 
 import atexit
+import gc
 import sys
 import threading
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,9 +28,19 @@ from torch.distributed import distributed_c10d as c10d
 
 from resilient_train.store import Keys
 
-__all__ = ["abort_nccl", "build_group", "destroy_group", "join_releases", "release_in_background"]
+__all__ = ["abort_nccl", "backend_device", "build_group", "destroy_group", "join_releases", "release_group", "release_in_background",
+           "release_retired"]
 
 _releases: list[threading.Thread] = []
+
+
+def backend_device(backend: str, local_rank: int) -> tuple[str, torch.device]:
+    """The backend (``auto``: NCCL with CUDA, else gloo) and this rank's device (CUDA's current one set)."""
+    backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return backend, torch.device("cuda", local_rank)
+    return backend, torch.device("cpu")
 
 
 def _reset_counter() -> None:
@@ -93,6 +105,46 @@ def release_in_background(box: list[dist.ProcessGroup]) -> None:
     thread = threading.Thread(target=drop, name="rt-release-group", daemon=True)
     thread.start()
     _releases[:] = [t for t in _releases if t.is_alive()] + [thread]
+
+
+def release_group(device: torch.device, *, retire: bool, retired: list[list[dist.ProcessGroup]],
+                  held: Callable[[list[str]], None]) -> None:
+    """Destroys the default group once the caller dropped its own references to it (a failed one, or at exit).
+
+    A gloo group closes its connections only when its last reference goes:
+    while a DDP, a pending reduction or a frame holds it, peers blocked in a
+    collective with this rank wait for the full group timeout instead of
+    failing at once. The last reference is dropped on a daemon thread: the
+    destructor waits for gloo's worker threads, and one may sit in a
+    collective that only the timeout ends (seen at 4 ranks: 30 s).
+
+    ``held`` is told the holders' types when something else still holds the group; then, with ``retire``
+    (the rank is recovering), its box goes to ``retired`` until :func:`release_retired`.
+    """
+    box = [g] if (g := destroy_group(device)) is not None else []
+    del g
+    gc.collect()
+    if box and sys.getrefcount(box[0]) > 2:  # the box and getrefcount's own argument
+        # Something else holds the group (a DDP built by the script, a frame): its connections stay
+        # open, and peers blocked in a collective with this rank wait for the group's timeout.
+        held(sorted({type(r).__name__ for r in gc.get_referrers(box[0])} - {"list", "frame"}))
+        if retire:
+            # The box keeps the group alive until the script's next on_new_group has replaced its DDP.
+            # Otherwise the DDP's reducer would hold the last reference, and the script dropping it would
+            # run the group's destructor on the main thread with the GIL held: it joins gloo's worker
+            # threads, and one still in a collective of the failed step waits for the GIL to run that
+            # collective's Python callback: a deadlock (seen at 3 ranks, rank killed at the vote).
+            retired.append(box)
+            return
+    release_in_background(box)
+
+
+def release_retired(retired: list[list[dist.ProcessGroup]]) -> None:
+    """Drops the failed groups held past their generation (:func:`release_group`), on daemon threads."""
+    boxes = retired[:]
+    retired.clear()
+    for box in boxes:
+        release_in_background(box)
 
 
 def join_releases(timeout_s: float) -> None:

@@ -7,19 +7,31 @@ state's plain data, with each tensor's shape, dtype and device) and then the
 tensors, packed into buffers of at most ``bucket_mb`` per dtype so the
 transfer is a handful of sends however many parameters the model has, and
 never holds a second copy of the whole state.
+
+The order of a restore is here too: :func:`restore_live` (every rank of the
+generation, from its own copy, a live replica or a buddy's host copy, in one
+order on every rank) and :func:`restore_from_disk` (the checkpoint every rank
+agreed to load, or the start).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-from resilient_train.local_state import decode_local, encode_local
-from resilient_train.snapshot import TensorRef, flatten, unflatten
+from chaos import Phase
+from monitors.events import EventLog
+from resilient_train.disk import DiskCheckpoints
+from resilient_train.generation import JoinError, ResumePlan, ResumeSource
+from resilient_train.local_state import LocalSlots, decode_local, encode_local
+from resilient_train.snapshot import HostSnapshot, TensorRef, flatten, unflatten
+from resilient_train.stepping import Stepper
+from resilient_train.train_state import TrainState
 
-__all__ = ["send_state", "receive_state"]
+__all__ = ["HostCopies", "receive_state", "restore_from_disk", "restore_live", "send_state"]
 
 BUCKET_MB = 64.0
 
@@ -122,3 +134,84 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+class _Copy(Protocol):
+    def state(self) -> dict[str, Any]: ...
+
+
+class HostCopies(Protocol):
+    """The buddy copies a restore reads (:class:`resilient_train.buddy.BuddyCopies`)."""
+
+    def own_copy(self, step: int) -> _Copy: ...
+
+    def copy_of(self, owner: int, step: int) -> _Copy: ...
+
+    def resumed(self, step: int) -> None: ...
+
+
+def restore_live(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Stepper, slots: LocalSlots,
+                 device: torch.device, events: EventLog, snapshot: HostSnapshot | None, buddy: HostCopies | None,
+                 adopt_record: Callable[[], None] | None) -> None:
+    """Boundary ``plan.step`` from live state: this rank's own host copy, a live replica, a buddy's copy.
+
+    ``device``: where the transfers go (the communication device); ``adopt_record``: a replacement's rerun
+    machine takes over the newest record, after the local state is loaded.
+    """
+    step = plan.step
+    assert step is not None
+    stepper.enter(Phase.HEAL.value, step)
+    if rank in plan.from_snapshot:
+        if snapshot is not None and snapshot.step == step:
+            state.load_replicated(snapshot.replicated())
+        else:
+            assert buddy is not None
+            state.load_shard_state(buddy.own_copy(step).state())
+    # One order on every rank (by target), so a rank that both serves and receives never waits on a peer
+    # that waits on it. A buddy holder serves its host copy; a live source, what it holds.
+    transfers = sorted([(t, s, False) for t, s in plan.heal_from.items()] +
+                       [(t, h, True) for t, h in plan.buddy_from.items()])
+    sent = received = 0
+    source_of: int | None = None
+    for target, source, from_buddy in transfers:
+        if source == rank:
+            assert not from_buddy or buddy is not None
+            payload = buddy.copy_of(target, step).state() if from_buddy else state.shard_state_dict()  # type: ignore[union-attr]
+            sent += send_state(payload, target, device=device)
+        elif target == rank:
+            stepper.live = None  # torn until the whole state arrived
+            healed, received = receive_state(source, device=device)
+            state.load_shard_state(healed)
+            source_of = source
+    state.load_local(slots.read_decoded(rank, step))
+    if adopt_record is not None:
+        adopt_record()
+    assert state.step == step, (state.step, step)
+    if buddy is not None:
+        buddy.resumed(step)
+    stepper.restored(step)
+    if sent or received or rank in plan.from_snapshot:
+        events.emit("healed", rank=rank, step=step, generation=plan.generation, bytes_sent=sent,
+                    bytes_received=received, from_rank=source_of,
+                    from_buddy=rank in plan.buddy_from, from_own_copy=rank in plan.from_snapshot)
+
+
+def restore_from_disk(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Stepper,
+                      disk: DiskCheckpoints | None, store: dist.Store, events: EventLog, buddy: HostCopies | None,
+                      timeout: float) -> None:
+    """The checkpoint every rank agreed to load (``ResumeSource.DISK``), or the start if there is none."""
+    loaded = None
+    if disk is not None:
+        stepper.enter("load", state.step)
+        stepper.live = None
+        loaded = disk.load_agreed(state, store, plan.generation, timeout=timeout)
+    if loaded is None and plan.source is ResumeSource.DISK:
+        raise JoinError("no live replica holds a recoverable step and there is no checkpoint to fall back on")
+    if loaded is not None:
+        if buddy is not None:
+            buddy.resumed(loaded)  # copies of later boundaries belong to steps that are redone
+        events.emit("resumed_from_disk", rank=rank, step=loaded, generation=plan.generation)
+        if rank == 0:
+            print(f"resilient-train: resumed from the checkpoint of step {loaded}", file=sys.stderr, flush=True)
+    stepper.publish_local(state.step)
+    stepper.restored(state.step)

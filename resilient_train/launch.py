@@ -2,9 +2,10 @@
 
 Every flag of ``torchrun`` (torch 2.13) is parsed here. Each one either does
 what it does under torchrun, or is refused with one line that names it and
-says why (README: "Compatibility with torchrun"). The result is an
-:class:`~resilient_train.agent.AgentConfig`; nothing starts before every flag
-has been checked.
+says why (README: "Compatibility with torchrun"). They set fields of the run
+config's ``agent`` section (:func:`agent_fields`, over ``--config FILE``);
+``--SECTION.FIELD=VALUE`` sets any field (``resilient_train.runflags`` puts
+the layers together). Nothing starts before every flag has been checked.
 """
 
 from __future__ import annotations
@@ -14,20 +15,22 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 from monitors.cliargs import MAX_SECONDS, check_host, host, integer, number, port
-from resilient_train.agent import AgentConfig
+from resilient_train.agent.config import SIGNALS
 from resilient_train.entry import Entry, EntryKind
 from resilient_train.jobtoken import read_token_file
-from resilient_train.workerio import OutputConfig, parse_std_streams
+from resilient_train.runconfig import RunConfig, parse_key_value
+from resilient_train.workerio import parse_std_streams
 
-__all__ = ["add_run_arguments", "agent_config"]
+__all__ = ["RC", "add_run_arguments", "agent_fields"]
 
 C10D_DEFAULT_PORT = 29400  # torchrun's port for an --rdzv-endpoint given without one
 _RDZV_BACKENDS = ("static", "c10d")
 _RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "timeout", "read_timeout", "is_host",
                    "keep_alive_interval", "keep_alive_max_attempt", "use_libuv")
-_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+_SIGNALS = SIGNALS
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,8 +108,30 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--dashboard-port", type=port, default=0, help="port of the dashboard (default 0: a free one)")
     o.add_argument("--dashboard-host", type=host("--dashboard-host"), default="127.0.0.1",
                    help="address the dashboard binds (default 127.0.0.1)")
-    p.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
+    o.add_argument("--config", default=None, metavar="FILE",
+                   help="the run config (YAML): every section and field, README 'Configuration'; torchrun's and "
+                        "the flags above win over it, --SECTION.FIELD=VALUE over those")
+    c = p.add_argument_group("the run config's fields", "--SECTION.FIELD=VALUE for any field of the run config, the "
+                             "same names as in Python and YAML (python -m resilient_train.configdoc lists them)")
+    for key, _, _ in RunConfig.keys():
+        c.add_argument(f"--{key}", dest=f"{RC}{key}", type=_field_value(key), default=argparse.SUPPRESS,
+                       metavar="VALUE", help=argparse.SUPPRESS)
+    p.add_argument("script", nargs="?", default=None,
+                   help="the training script (a module with -m, a program with --no-python; default: agent.script)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+RC = "rc:"  # the namespace's prefix for --SECTION.FIELD flags
+
+
+def _field_value(key: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse_key_value(key, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
 
 
 def _nnodes(value: str) -> int:
@@ -217,45 +242,73 @@ def _refuse(args: argparse.Namespace) -> None:
         raise ValueError(f"--rdzv-backend {args.rdzv_backend}: only static or c10d (the agent hosts a c10d store)")
 
 
-def agent_config(args: argparse.Namespace, **extra: object) -> AgentConfig:
-    """The agent's configuration from parsed flags; ``ValueError`` with a one-line message for bad ones."""
+def agent_fields(args: argparse.Namespace, given: set[str], base: dict[str, Any]) -> dict[str, Any]:
+    """The agent's fields that torchrun's and our flags set: those ``given`` on the command line, and what srun
+    tells (where neither the flags nor the run config's agent section ``base`` say); plain data, checked once
+    the whole config is built. ``ValueError`` with a one-line message for a bad flag."""
     _refuse(args)
+    out: dict[str, Any] = {}
     slurm = slurm_defaults(os.environ)
-    nnodes = _nnodes(args.nnodes if args.nnodes is not None else str(slurm.get("nnodes", 1)))
-    nproc = _nproc(args.nproc_per_node)
-    master_addr = args.master_addr if args.master_addr is not None else str(slurm.get("master_addr", "127.0.0.1"))
-    master_port = args.master_port if args.master_port is not None else slurm.get("master_port")
-    node_rank = args.node_rank if args.node_rank is not None else int(slurm.get("node_rank", 0))
-    run_id = args.rdzv_id if args.rdzv_id != "none" else str(slurm.get("run_id", "none"))
-    if args.standalone and nnodes > 1:
+    for dest, name, read in (("nnodes", "nnodes", _nnodes), ("nproc_per_node", "nproc_per_node", _nproc),
+                             ("node_rank", "node_rank", int), ("master_addr", "master_addr", str),
+                             ("master_port", "master_port", int), ("rdzv_id", "run_id", str)):
+        if dest in given:
+            out[name] = read(getattr(args, dest))
+        elif name not in base and name in slurm:
+            out[name] = slurm[name] if name != "nnodes" else int(slurm[name])  # type: ignore[call-overload]
+    if "master_port" in out:
+        out["fixed_port"] = out["master_port"] != 0
+    if args.standalone and out.get("nnodes", base.get("nnodes", 1)) != 1:
         raise ValueError("--standalone is for one node: give --nnodes 1, or --master-addr/--master-port")
     if args.standalone:
         # torchrun: a c10d store on a free local port, a random id; --rdzv-* are ignored.
-        master_addr, master_port = "127.0.0.1", 0
-        run_id = str(uuid.uuid4())
+        out.update(master_addr="127.0.0.1", master_port=0, fixed_port=False, run_id=str(uuid.uuid4()))
     elif args.rdzv_endpoint:
         endpoint_host, endpoint_port = _endpoint(args.rdzv_endpoint)
-        master_addr = endpoint_host or master_addr
-        master_port = endpoint_port if endpoint_port is not None else C10D_DEFAULT_PORT
-    check_host(master_addr, "--rdzv-endpoint" if args.rdzv_endpoint and not args.standalone else "--master-addr")
+        out["master_addr"] = endpoint_host or out.get("master_addr", base.get("master_addr", "127.0.0.1"))
+        out["master_port"] = endpoint_port if endpoint_port is not None else C10D_DEFAULT_PORT
+        out["fixed_port"] = True
+    if "master_addr" in out:
+        check_host(out["master_addr"], "--rdzv-endpoint" if args.rdzv_endpoint and not args.standalone
+                   else "--master-addr")
     _rdzv_conf(args.rdzv_conf)
-    output = OutputConfig(
-        log_dir=args.log_dir, redirects=parse_std_streams(args.redirects, nproc, "--redirects"),
-        tee=parse_std_streams(args.tee, nproc, "--tee"), role=args.role,
-        local_ranks_filter=_ranks_filter(args.local_ranks_filter, nproc),
-    )
-    return AgentConfig(
-        entry=_entry(args), script_args=args.script_args, nproc_per_node=nproc, nnodes=nnodes,
-        node_rank=node_rank, master_addr=master_addr, master_port=master_port or 0,
-        spare=args.spare, node_timeout_s=args.node_timeout, job_token_file=_token_file(args.job_token_file),
-        fixed_port=master_port not in (None, 0), run_id=run_id, role=args.role, run_dir=args.run_dir,
-        max_restarts=args.max_restarts, max_replacements=args.max_replacements, warm_spare=not args.no_spare,
-        spares=args.spares,
-        chaos=args.chaos, monitor_interval_s=args.monitor_interval, output=output,
-        signals=_signals(args.signals_to_handle),
-        shutdown_timeout_s=args.shutdown_timeout,
-        virtual_local_rank=args.virtual_local_rank, **extra,  # type: ignore[arg-type]
-    )
+    nproc = out.get("nproc_per_node", base.get("nproc_per_node", 1))
+    nproc = nproc if isinstance(nproc, int) and not isinstance(nproc, bool) else 1
+    output: dict[str, Any] = {}
+    if "log_dir" in given:
+        output["log_dir"] = args.log_dir
+    if "redirects" in given:
+        output["redirects"] = {r: int(v) for r, v in parse_std_streams(args.redirects, nproc, "--redirects").items()}
+    if "tee" in given:
+        output["tee"] = {r: int(v) for r, v in parse_std_streams(args.tee, nproc, "--tee").items()}
+    if "local_ranks_filter" in given:
+        ranks = _ranks_filter(args.local_ranks_filter, nproc)
+        output["local_ranks_filter"] = None if ranks is None else sorted(ranks)
+    if "role" in given:
+        out["role"] = output["role"] = args.role
+    if output:
+        out["output"] = output
+    if args.script is not None:
+        entry = _entry(args)
+        out.update(script=entry.target, entry={"kind": entry.kind.value, "target": entry.target},
+                   script_args=list(args.script_args))
+    elif args.module or args.no_python:
+        raise ValueError("-m and --no-python name how SCRIPT runs: give SCRIPT")
+    for dest, name, read in (("max_restarts", "max_restarts", None), ("monitor_interval", "monitor_interval_s", None),
+                             ("run_dir", "run_dir", None), ("spare", "spare", None),
+                             ("job_token_file", "job_token_file", _token_file), ("node_timeout", "node_timeout_s", None),
+                             ("max_replacements", "max_replacements", None), ("spares", "spares", None),
+                             ("chaos", "chaos", None), ("signals_to_handle", "signals", _signals),
+                             ("shutdown_timeout", "shutdown_timeout_s", None),
+                             ("virtual_local_rank", "virtual_local_rank", None)):
+        if dest in given:
+            value = getattr(args, dest)
+            out[name] = read(value) if read is not None else value
+    if "signals" in out:
+        out["signals"] = list(out["signals"])
+    if args.no_spare:
+        out["warm_spare"] = False
+    return out
 
 
 def _token_file(path: str | None) -> str | None:

@@ -25,14 +25,24 @@ longer.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from resilient_train.shutdown import EXIT_RESERVE_S, auto_grace, check_seconds
+from monitors.configtree import file_defaults
+from resilient_train import exitcodes
+from resilient_train.shutdown import EXIT_RESERVE_S, auto_grace, check_seconds, publish_grace, record_preempted
 
-__all__ = ["Preemption", "PreemptionConfig"]
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from monitors.events import EventLog
+    from resilient_train.disk import DiskCheckpoints
+    from resilient_train.train_state import TrainState
+
+__all__ = ["Preemption", "PreemptionConfig", "checkpoint_for_preemption"]
 
 _SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
 # SIGUSR2 is the agent's request for a hung rank's stacks (monitors.stacks): a preemption on it would turn
@@ -40,12 +50,13 @@ _SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
 _RESERVED = {"SIGUSR2": "the agent asks a hung rank for its stacks with it (monitors.stacks)"}
 
 
+@file_defaults("preemption")
 @dataclass(frozen=True, kw_only=True)
 class PreemptionConfig:
     # Each one asks for a stop at the next boundary; SIGINT too: Ctrl-C stops the job cleanly, checkpointed.
     signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")
-    grace_s: float | None = None  # seconds from the signal to the rank's exit; None: the default (above)
-    on_grace_expiry: str = "exit"  # "exit": leave without it; "wait": keep waiting for the save
+    grace_s: float | None = None  # from the signal to the rank's exit; None: 60 s, or 3x the longest save
+    on_grace_expiry: str = "exit"  # "exit": leave without the checkpoint; "wait": its timeout_s more for the save
 
     def __post_init__(self) -> None:
         reserved = [s for s in self.signals if s in _RESERVED]
@@ -70,6 +81,7 @@ class Preemption:
         self.config = config
         self.signal: str | None = None  # the first one received
         self.requested_at: float | None = None  # when (monotonic)
+        self._published: float | None = None  # the grace in the store for this rank's agent
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for name in config.signals:
@@ -90,6 +102,15 @@ class Preemption:
         grace = self.config.grace_s if self.config.grace_s is not None else auto_grace(longest_save_s)
         return grace + (checkpoint_timeout_s if self.config.on_grace_expiry == "wait" else 0.0)
 
+    def publish_grace(self, store: "dist.Store", rank: int, longest_save_s: float,
+                      checkpoint_timeout_s: float) -> float:
+        """This rank's grace now (:meth:`grace_s`), in the store for its agent whenever it changes."""
+        grace = self.grace_s(longest_save_s, checkpoint_timeout_s)
+        if grace != self._published:
+            publish_grace(store, rank, grace)
+            self._published = grace
+        return grace
+
     def deadline(self, grace_s: float) -> float:
         """When the checkpoint must be committed by (monotonic): the grace from the signal, less the exit's share.
 
@@ -108,3 +129,30 @@ class Preemption:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+def checkpoint_for_preemption(state: "TrainState", *, preemption: Preemption, grace: float, rank: int,
+                              store: "dist.Store", events: "EventLog", enter: Callable[[str, int], None],
+                              disk: Callable[[], "DiskCheckpoints"], prepare: bool, generation: int,
+                              under_agent: bool) -> bool:
+    """Every rank is at this boundary: its checkpoint, committed within ``grace``; True once committed.
+
+    ``disk``: the checkpoints to save to (made for the preemption if the run has none); ``prepare``: no disk
+    part of the loop has readied them for this generation.
+    """
+    deadline = preemption.deadline(grace)
+    events.emit("preempting", rank=rank, step=state.step, signal=preemption.signal, grace_s=grace)
+    record_preempted(store, rank, step=state.step, committed=None)
+    enter("checkpoint", state.step)
+    checkpoints = disk()
+    if prepare:
+        checkpoints.on_generation(store, generation)  # a DiskPart would have done both
+        checkpoints.prepare(state)
+    committed = checkpoints.save_now(state, deadline=deadline, exit_by=deadline + EXIT_RESERVE_S)
+    record_preempted(store, rank, step=state.step, committed=committed)
+    events.emit("preempted", rank=rank, step=state.step, checkpoint_committed=committed, signal=preemption.signal)
+    if rank == 0 and not under_agent:  # the agent says it once for its node
+        how = "its checkpoint is committed" if committed else f"its checkpoint did not commit within {grace:g} s"
+        print(f"resilient-train: preempted: every rank stopped at step {state.step}; {how}; "
+              f"start the job again to resume (exit code {exitcodes.REQUEUE})", file=sys.stderr, flush=True)
+    return committed

@@ -1,6 +1,6 @@
 """A rank's side of a generation change, as the supervisor drives it: report the fault, then enter the next generation.
 
-These are the store calls of the supervisor's ``_recover`` and ``_join``, in
+These are the store calls of a recovery (:mod:`resilient_train.recovery`) and the supervisor's ``_join``, in
 one place, so that ``bench/coordination.py`` drives the same code with
 thousands of simulated ranks that the supervisor drives with real ones.
 """

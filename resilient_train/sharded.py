@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from resilient_train.errors import UsageError
 from resilient_train.phased import forward_in_phases
 
-__all__ = ["Parallelize", "ShardedModule", "remap_optimizer"]
+__all__ = ["Parallelize", "ShardedModule", "check_sharded_run", "remap_optimizer"]
 
 Parallelize = Callable[[torch.nn.Module, DeviceMesh], Any]
 
@@ -186,3 +186,17 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(module, memo)
 
+
+
+def check_sharded_run(module: ShardedModule, model: Any, *, snapshot_every: int | None, rerun: bool) -> None:
+    """A run of ``module`` (sup.sharded's): ``model`` (the TrainState's) must be it, with no host snapshots
+    and no rerun machine."""
+    from resilient_train.errors import UsageError
+
+    if model is not module:
+        raise UsageError("TrainState(model=...) must be the module sup.sharded returned")
+    if snapshot_every is not None:
+        raise UsageError("snapshot_every with sup.sharded: sharded state is covered by replicas and buddy "
+                         "copies (SupervisorConfig.buddy_every)")
+    if rerun:
+        raise UsageError("the rerun machine does not support sup.sharded yet")

@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 
 from chaos import Phase
+from chaos.faults import RECOVERY_PHASES
 from monitors.events import EventLog
 from resilient_train.commit import BufferGuard, CommitGate, StepMeasured, StepRejected
 from resilient_train.context import StepContext, StepFn
 from resilient_train.errors import GenerationFailed
 from resilient_train.local_state import LocalSlots, as_peer, encode_local, same_local
+from resilient_train.misuse import MisuseChecks
 from resilient_train.parts import Part, Parts
 from resilient_train.readout import LossReadout
 from resilient_train.reducer import GradientReducer, ReducerHooks
@@ -33,22 +35,29 @@ __all__ = ["Stepper"]
 
 _PHASE_ORDER = {p.value: i for i, p in enumerate(
     [Phase.BETWEEN_STEPS, Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.ALL_REDUCE, Phase.OPTIMIZER])}
+_STEP_PHASES = frozenset(p.value for p in Phase if p not in RECOVERY_PHASES)
 
 
 class Stepper:
-    def __init__(self, *, state: TrainState, ctx: StepContext, parts: Parts, rerun: RerunPart | None,
+    def __init__(self, *, state: TrainState, rank: int, parts: Parts, rerun: RerunPart | None,
                  slots: LocalSlots, events: EventLog, world_size: int, device: torch.device, chunk_mb: float,
-                 group: Callable[[], dist.ProcessGroup | None], moved: Callable[[], bool],
-                 training: Callable[[], bool], stop: Callable[[], float] = lambda: 0.0,
+                 generation: Callable[[], int], group: Callable[[], dist.ProcessGroup | None],
+                 moved: Callable[[], bool], training: Callable[[], bool], stop: Callable[[], float] = lambda: 0.0,
                  force_reduction: bool = False) -> None:
-        self.state, self.ctx, self.parts, self.rerun = state, ctx, parts, rerun
+        self.state, self.parts, self.rerun = state, parts, rerun
+        self.ctx = StepContext(self, rank=rank, world_size=world_size, device=device)
         self._slots, self._events, self._device, self._chunk_mb = slots, events, device, chunk_mb
         self._force = force_reduction
-        self._group, self._moved, self._training = group, moved, training
-        self.rank = ctx.rank
+        self._generation, self._group, self._moved, self._training = generation, group, moved, training
+        self.rank = rank
+        self.misuse = MisuseChecks(state=state, world_size=world_size, step=lambda: self.ctx.step,  # issue 25 item 3
+                                   generation=generation, group=group, reducers=lambda: self.gate.reducers,
+                                   new_reducer=lambda m: self.new_reducer(m.parameters()), emit=events.emit,
+                                   rank=rank, training=training)
         self.gate = CommitGate(world_size=world_size, group=group, device=device, vote=self._vote, moved=moved,
                                decide=self._decide, before_update=self._before_update,
-                               on_optimizer=lambda: self.auto_phase(Phase.OPTIMIZER.value), stop=stop)
+                               on_optimizer=lambda: self.auto_phase(Phase.OPTIMIZER.value), stop=stop,
+                               unreduced=self.misuse.check_unreduced)
         self._stop = stop
         self._hooks = [state.optimizer.register_step_pre_hook(self.gate.pre_hook)] if state.optimizer else []
         self.guard = BufferGuard(state.model)
@@ -62,6 +71,25 @@ class Stepper:
     def close(self) -> None:
         for handle in self._hooks:
             handle.remove()
+        self.misuse.close()
+
+    # ----------------------------------------------- what the context asks
+    @property
+    def generation(self) -> int:
+        return self._generation()
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._group()
+
+    def enter(self, phase: str, step: int) -> None:
+        """A phase starts (the step's or the runtime's own): a failed generation is noticed, the parts see it."""
+        if self._moved() and phase in _STEP_PHASES:
+            raise GenerationFailed(f"generation {self._generation()} was declared failed")
+        self.parts.on_phase(phase, step)
+
+    def on_loss(self, loss: torch.Tensor, step: int, data_rank: int) -> torch.Tensor:
+        return self.parts.on_loss(loss, step, data_rank)
 
     # ------------------------------------------------------------ reducers
     def new_reducer(self, params: Any, *, bucket_mb: float | None = None) -> GradientReducer:
@@ -118,6 +146,7 @@ class Stepper:
                 self._warned_late_local = True
                 self._events.emit("local_state_changed_after_reduction", rank=self.rank, step=self.state.step)
         self.guard.mark()
+        self.misuse.step_end()
 
     def rewind(self, step: int, as_rank: int | None = None) -> None:
         """Back to boundary ``step`` before its commit: gradients dropped, ``as_rank``'s local state loaded."""
@@ -132,11 +161,19 @@ class Stepper:
         for p in self.state.model.parameters():
             p.grad = None
 
-    def publish_local(self, step: int) -> None:
+    def publish_local(self, step: int, *, snapshot: bool = False) -> bytes:
+        """This rank's local state as boundary ``step``'s, in the store; returns the payload.
+
+        ``snapshot``: into a snapshot slot, which outlives the two ring slots (a host snapshot's or a
+        buddy copy's boundary); the ring's record of what was published at the vote is left as it is.
+        """
         sd = self.state.local_state_dict()
         sd["step"] = step
-        self._slots.publish(self.rank, step, encode_local(sd))
-        self.published = (step, sd)
+        payload = encode_local(sd)
+        self._slots.publish(self.rank, step, payload, snapshot=snapshot)
+        if not snapshot:
+            self.published = (step, sd)
+        return payload
 
     def restored(self, step: int) -> None:
         """The state stands at boundary ``step`` after a restore (its local state is in the store already)."""
@@ -145,6 +182,7 @@ class Stepper:
         self.gate.begin_step()
         self.discard_gradients()
         self.guard.mark()
+        self.misuse.arm()  # a DDP the script builds in the next step is found (issue 25 item 3)
 
     def auto_phase(self, phase: str) -> None:
         """A phase the runtime sees by itself (DDP's forward and backward, the reduction, the commit).
@@ -158,6 +196,7 @@ class Stepper:
     def _compute(self, step_fn: StepFn, step: int, as_rank: int, mode: ComputeMode) -> Any:
         self.ctx.step, self.ctx.data_rank = step, as_rank
         self._mode = mode
+        self.misuse.begin(step, as_rank)  # the batch's fingerprints, compared if it was computed before
         if self.rerun is not None:
             self.rerun.begin(mode)
         self.gate.begin_step()

@@ -20,6 +20,8 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from resilient_train.ddp import ReplicatedModule
+
 __all__ = ["RngUse", "Stateful", "TrainState", "as_float", "capture_rng", "restore_rng"]
 
 
@@ -120,6 +122,10 @@ class TrainState:
     more objects every replica holds the same (``{"scheduler": sched}``);
     ``extra`` is a per-rank object (a data loader). Both need
     ``state_dict``/``load_state_dict``.
+
+    ``model`` may be what ``sup.ddp(model)`` returned: the state is the module
+    inside it, with the same keys as ``TrainState(model=model)`` (no ``module.``
+    prefix), so checkpoints and heals do not depend on how the model was given.
     """
 
     def __init__(
@@ -133,6 +139,8 @@ class TrainState:
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, ReplicatedModule):
+            model = model.module  # sup.ddp's wrapper: the state is the model's own, keyed as the bare model's
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("pass the module inside DDP (TrainState(model=model)) and wrap it with sup.ddp(model): "
                              "a DDP object is tied to one generation's process group")

@@ -85,7 +85,7 @@ class OutputConfig:
     log_dir: str | None = None  # default: RUN_DIR/logs
     redirects: dict[int, Std] = field(default_factory=dict)  # to files only
     tee: dict[int, Std] = field(default_factory=dict)  # to files and the console
-    role: str = "default"
+    role: str = "default"  # the console prefix under --tee (AgentConfig.role sets it)
     local_ranks_filter: frozenset[int] | None = None  # None: every local rank on the console
 
     def to_file(self, local_rank: int) -> Std:

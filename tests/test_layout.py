@@ -18,12 +18,10 @@ PACKAGES = ("resilient_train", "checkpointing", "monitors", "chaos")
 MAX_LINES = 400
 LOWER = ("chaos", "monitors", "checkpointing")  # never import resilient_train
 
-# Known, and being removed: issue 25 item 2 (the step path runs one way) splits supervisor.py and breaks the
-# cycle context -> stepping -> supervisor. The integrator empties these once that branch and this one land.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    frozenset({"resilient_train.context", "resilient_train.stepping", "resilient_train.supervisor"}),
-}
-KNOWN_LONG: set[str] = {"resilient_train.supervisor"}
+# Exceptions to the rules, each to be removed with its fix (a test fails when one listed here is gone). Issue 25
+# item 2 (the step path runs one way) emptied both: no cycle context -> stepping -> supervisor, supervisor.py split.
+KNOWN_CYCLES: set[frozenset[str]] = set()
+KNOWN_LONG: set[str] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -47,7 +47,7 @@ def check_available() -> None:
 
 @dataclass(kw_only=True)
 class DashboardConfig:
-    host: str = "127.0.0.1"  # loopback: only this machine's users reach it (and need the token to steer)
+    host: str = "127.0.0.1"  # the address it binds; loopback: only this machine's users reach it (and need the token to steer)
     port: int = 0  # 0 picks a free port (see DashboardServer.url)
     refresh_s: float = 1.0  # how often open pages get a new snapshot while the run's events change
 
@@ -55,7 +55,7 @@ class DashboardConfig:
         if not self.host:
             raise ValueError("DashboardConfig.host must not be empty")
         if not 0 <= self.port < 65536:
-            raise ValueError(f"dashboard port must be in [0, 65535], got {self.port}")
+            raise ValueError(f"DashboardConfig.port must be in [0, 65535], got {self.port}")
         if self.refresh_s <= 0:
             raise ValueError(f"DashboardConfig.refresh_s must be > 0, got {self.refresh_s}")
 

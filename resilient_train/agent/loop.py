@@ -56,7 +56,8 @@ Poller = Callable[[], Iterable[ev.Event]]
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = c = config
-        assert config.entry is not None
+        if config.entry is None:
+            raise ValueError("no script to run (give SCRIPT, or agent.script in the run config)")
         self.entry: Entry = config.entry
         self.run_dir = Path(config.run_dir)
         self.lifecycle = AgentLifecycle()

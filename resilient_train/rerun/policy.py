@@ -25,6 +25,7 @@ from enum import Enum
 from typing import Iterable
 
 from monitors import exitcodes
+from monitors.configtree import file_defaults
 from resilient_train.rerun.validators import Check, StepResult, ValidatorSet
 
 __all__ = [
@@ -53,14 +54,15 @@ class OnGenuine(str, Enum):
     STOP = "stop"  # save the last good state, report, exit 17
 
 
+@file_defaults("rerun", skip=("checks",))
 @dataclass(kw_only=True)
 class RerunConfig:
-    mode: RerunMode = RerunMode.DISABLED
-    loss_spike_factor: float | None = 10.0  # Megatron's default; None turns the check off
-    grad_norm_spike_factor: float | None = 10.0
+    mode: RerunMode = RerunMode.DISABLED  # validate_results: check every step; report_determinism_stats: re-run some
+    loss_spike_factor: float | None = 10.0  # a loss this many times its history's is a spike (Megatron's); None: off
+    grad_norm_spike_factor: float | None = 10.0  # the same for the gradient norm
     window: int = 50  # accepted steps in the running history
     min_history: int = 5  # steps before a spike can be judged
-    on_genuine: OnGenuine = OnGenuine.SKIP
+    on_genuine: OnGenuine = OnGenuine.SKIP  # a genuine numerical event: skip the batch, or save and stop (exit 17)
     determinism_interval: int = 1  # report_determinism_stats: re-run every N-th step
     stop_timeout_s: float = 120.0  # how long ranks wait for the saved state before exiting 17
     checks: list[Check] = field(default_factory=list)  # user checks: StepResult -> None or a reason

@@ -210,5 +210,5 @@ def test_run_dashboard_without_the_extra_is_a_one_line_error_before_anything_sta
     with pytest.raises(ValueError, match=r"needs no_such_module_for_this_test: pip install 'resilient-train\[dashboard\]'"):
         AgentConfig(script=script, dashboard=DashboardConfig())
     AgentConfig(script=script)  # without --dashboard nothing needs it
-    with pytest.raises(ValueError, match="dashboard port"):
+    with pytest.raises(ValueError, match=r"DashboardConfig.port must be in \[0, 65535\]"):
         DashboardConfig(port=70000)

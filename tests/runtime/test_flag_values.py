@@ -71,6 +71,7 @@ ROWS: dict[tuple[tuple[str, ...], str], object] = {
     (("run",), "--monitor-config"): ("/nonexistent.yaml", DIR),
     (("run",), "--dashboard-port"): ("abc", "-1", "70000"),
     (("run",), "--dashboard-host"): ("999.1.1.1", ""),
+    (("run",), "--config"): ("/nonexistent.yaml", DIR, "{BAD_CONFIG}", "{OLD_MISTAKE}"),
     (("run",), "script"): ("/nonexistent.py", DIR),
     (("demo",), "--steps"): ("abc", "0", "5"),
     (("demo",), "--nproc-per-node"): ("abc", "0", "1", "100000"),
@@ -106,6 +107,127 @@ EXEMPT = {
     (("run",), "--role"): "free text: ROLE_NAME and the console prefix under --tee",
     (("run",), "script_args"): "the script's own arguments, passed on as they are",
 }
+
+# The run config's fields (--SECTION.FIELD VALUE, issue 25 item 4): a row per field, its bad values from its
+# type (below), with these added for what the type does not say (a range, a choice, a file); a string field
+# with no rule is free text.
+FIELD_ROWS: dict[str, object] = {
+    "supervisor.steps": ("-1",),
+    "supervisor.backend": ("mpi",),
+    "supervisor.snapshot_every": ("0",),
+    "supervisor.buddy_every": ("0",),
+    "supervisor.max_failed_generations": ("0",),
+    "supervisor.max_recoveries": ("-1",),
+    "supervisor.chunk_mb": ("0",),
+    "supervisor.pg_timeout_s": ("0",),
+    "supervisor.cupti.report_every_steps": ("0",),
+    "supervisor.cupti.threshold": ("0", "1.5"),
+    "supervisor.cupti.sections": ("[optimizer]",),
+    "agent.script": ("/nonexistent.py",),  # not the positional SCRIPT the row gives too
+    "agent.entry.target": ("/nonexistent.py",),
+    "agent.nproc_per_node": ("0",),
+    "agent.nnodes": (("0", "2"), "nnodes"),
+    "agent.node_rank": ("-1", "1"),
+    "agent.master_addr": ("999.1.1.1", ""),
+    "agent.master_port": ("-1", "70000"),
+    "agent.run_dir": ((FILE, UNDER_FILE), "run directory"),
+    "agent.max_restarts": ("-1",),
+    "agent.max_replacements": ("-1",),
+    "agent.spares": ("-1", "65"),
+    "agent.spare": (("true",), "spare"),  # on one node
+    "agent.monitor_interval_s": ("0", "61"),
+    "agent.monitor_state_every_s": ("0",),
+    "agent.node_timeout_s": ("0",),
+    "agent.chaos": (("{", '[{"kind": "melt", "rank": 0, "phase": "forward"}]'), "chaos"),
+    "agent.signals": ("[SIGFOO]", "[SIGKILL]"),
+    "agent.job_token_file": ("/nonexistent/token", OPEN_TOKEN, SHORT_TOKEN),
+    "agent.output.log_dir": ((UNDER_FILE, FILE), "log-dir"),
+    "agent.output.redirects": ("{0: 9}", "{5: 1}"),
+    "agent.output.tee": ("{0: 9}", "{5: 1}"),
+    "monitors.hang.timeouts_s": ("{nowhere: 1}", "{forward: 0}", "{forward: .nan}"),
+    "monitors.hang.safety_factor": ("0", "101"),
+    "monitors.hang.min_observations": ("0",),
+    "monitors.hang.min_timeout_s": ("0",),
+    "monitors.hang.collective_sections": ("[nowhere]",),
+    "monitors.straggler.threshold": ("0", "1.5"),
+    "monitors.straggler.patience": ("0",),
+    "monitors.straggler.min_steps": ("0",),
+    "monitors.straggler.policy": ("kill",),
+    "monitors.straggler.sections": ("[nowhere]", "[]"),
+    "monitors.straggler.scores": ("[fastest]",),
+    "monitors.metrics.prometheus_host": ("",),
+    "monitors.metrics.prometheus_port": ("-1", "70000"),
+    "checkpoint.interval": ("-1",),
+    "checkpoint.keep_last": ("0",),
+    "checkpoint.keep_every": ("-1",),
+    "checkpoint.timeout_s": ("0",),
+    "checkpoint.piece_mb": ("0", "2e6"),
+    "checkpoint.local_keys": ("['']",),
+    "rerun.loss_spike_factor": ("1",),
+    "rerun.grad_norm_spike_factor": ("0.5",),
+    "rerun.determinism_interval": ("0",),
+    "preemption.signals": ("[SIGUSR2]", "[SIGFOO]"),
+    "preemption.grace_s": ("0", "1"),
+    "preemption.on_grace_expiry": ("never",),
+    "dashboard.host": ("",),
+    "dashboard.port": ("-1", "70000"),
+    "dashboard.refresh_s": ("0",),
+}
+FREE_TEXT = {
+    "agent.run_id": "the job's name (TORCHELASTIC_RUN_ID)",
+    "agent.role": "ROLE_NAME and the console prefix",
+    "agent.output.role": "the console prefix",
+    "monitors.metrics.tensorboard_dir": "made when TensorBoard is installed; a bad one is logged, not fatal",
+    "checkpoint.directory": "made by the first save (a bad one fails the save, which is retried)",
+    "checkpoint.run_id": "a name written into manifests",
+    "checkpoint.store_prefix": "a prefix of store keys",
+}
+_BY_TYPE = {
+    "bool": ("maybe", "2"),
+    "int": ("abc", "1.5", str(10**10)),
+    "float": ("abc", ".nan", ".inf", "nan"),
+    "list[str]": ("abc", "[[1]]"),
+    "list[int]": ("abc", "[x]"),
+    "map[str: str]": ("abc", "{A: [1]}"),
+    "map[str: float]": ("abc", "{forward: x}"),
+    "map[int: one of: 0, 1, 2, 3]": ("abc", "{x: 1}"),
+}
+
+
+def _bad_field_values(key: str, tp: object) -> tuple[str, ...]:
+    from monitors.configtree import type_name
+
+    name = type_name(tp).removesuffix(" | null")
+    if name.startswith("one of: ") and not name.startswith("one of: 0"):
+        return ("bogus",)
+    out = _BY_TYPE.get(name, ())
+    if name == "float" and key.endswith("_s"):
+        out = (*out, "-1", "1e308")  # a duration: finite, >= 0, at most a week
+    return out
+
+
+def _field_rows() -> tuple[dict, dict]:
+    from resilient_train.runconfig import RunConfig
+
+    rows: dict[tuple[tuple[str, ...], str], object] = {}
+    exempt: dict[tuple[tuple[str, ...], str], str] = {}
+    for key, tp, _ in RunConfig.keys():
+        extra = FIELD_ROWS.get(key, ())
+        values, needle = extra if isinstance(extra, tuple) and len(extra) == 2 and isinstance(extra[0], tuple) \
+            else (extra, None)
+        values = (*_bad_field_values(key, tp), *values)  # type: ignore[misc]
+        if values:
+            rows[(("run",), f"--{key}")] = (values, needle) if needle else values
+        else:
+            assert key in FREE_TEXT, f"{key}: give it bad values in FIELD_ROWS, or a reason in FREE_TEXT"
+            exempt[(("run",), f"--{key}")] = f"free text: {FREE_TEXT[key]}"
+    assert not set(FIELD_ROWS) - {k for (_, f) in rows for k in [f[2:]]}, "rows for fields that do not exist"
+    return rows, exempt
+
+
+_ROWS, _EXEMPT = _field_rows()
+ROWS.update(_ROWS)
+EXEMPT.update(_EXEMPT)
 
 # What each command line needs besides the flag under test, so that the flag is the only thing wrong.
 _BASE = {
@@ -185,7 +307,10 @@ def paths(tmp_path: Path) -> dict[str, str]:
     short = tmp_path / "short-token"
     short.write_text("abc\n")
     os.chmod(short, 0o600)
-    return {"QUICK": str(tmp_path / "quick.py"), "FILE": str(tmp_path / "a-file"), "DIR": str(tmp_path / "a-dir"),
+    (tmp_path / "bad-config.yaml").write_text("checkpoint: {keep_last: 0}\n")
+    (tmp_path / "old-mistake.yaml").write_text("monitors: {hang: {bogus_timeout: 1}}\n")
+    return {"BAD_CONFIG": str(tmp_path / "bad-config.yaml"), "OLD_MISTAKE": str(tmp_path / "old-mistake.yaml"),
+            "QUICK": str(tmp_path / "quick.py"), "FILE": str(tmp_path / "a-file"), "DIR": str(tmp_path / "a-dir"),
             "RUN": str(run), "TMP": str(tmp_path), "OPEN_TOKEN": str(open_token), "SHORT_TOKEN": str(short)}
 
 
