@@ -4,13 +4,10 @@ Single process: :func:`write_state`, :func:`read_state`, :func:`diff_states`.
 Many ranks, asynchronous: :class:`CheckpointManager` with :class:`CheckpointConfig`.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from checkpointing.config import AsyncMode, CheckpointConfig, InFlightPolicy
-from checkpointing.diff import diff_states
-from checkpointing.errors import EXIT_DISK_FULL, DiskFullError, is_disk_full
-from checkpointing.lifecycle import SaveHandle, SavePhase
-from checkpointing.manager import CheckpointManager, NoCheckpointError
-from checkpointing.manifest import CheckpointError, Manifest, verify_checkpoint
-from checkpointing.state_files import read_state, write_state
 
 __all__ = [
     "AsyncMode",
@@ -30,3 +27,37 @@ __all__ = [
     "verify_checkpoint",
     "write_state",
 ]
+
+# Imported when first named: torch.distributed.checkpoint (DCP) costs 0.7 s to import, and a process that only
+# reads a config (the node agent) never needs it.
+_LAZY = {
+    "diff_states": "checkpointing.diff",
+    "EXIT_DISK_FULL": "checkpointing.errors",
+    "DiskFullError": "checkpointing.errors",
+    "is_disk_full": "checkpointing.errors",
+    "SaveHandle": "checkpointing.lifecycle",
+    "SavePhase": "checkpointing.lifecycle",
+    "CheckpointManager": "checkpointing.manager",
+    "NoCheckpointError": "checkpointing.manager",
+    "CheckpointError": "checkpointing.manifest",
+    "Manifest": "checkpointing.manifest",
+    "verify_checkpoint": "checkpointing.manifest",
+    "read_state": "checkpointing.state_files",
+    "write_state": "checkpointing.state_files",
+}
+
+if TYPE_CHECKING:
+    from checkpointing.diff import diff_states
+    from checkpointing.errors import EXIT_DISK_FULL, DiskFullError, is_disk_full
+    from checkpointing.lifecycle import SaveHandle, SavePhase
+    from checkpointing.manager import CheckpointManager, NoCheckpointError
+    from checkpointing.manifest import CheckpointError, Manifest, verify_checkpoint
+    from checkpointing.state_files import read_state, write_state
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'checkpointing' has no attribute {name!r}")

@@ -11,25 +11,6 @@ Every config class is here: ``RunConfig`` composes the sections (README, "Config
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from checkpointing import AsyncMode, CheckpointConfig, InFlightPolicy
-from monitors import MetricsConfig, MonitorConfig
-from monitors.cupti_kernels import CuptiConfig
-from monitors.dashboard.server import DashboardConfig
-from monitors.hang import HangConfig
-from monitors.straggler import StragglerConfig
-
-from resilient_train.env import WorkerEnv
-from resilient_train.rerun import OnGenuine, RerunConfig, RerunMode
-from resilient_train.context import StepContext
-from resilient_train.errors import GenerationFailed, UsageError
-from resilient_train.heartbeat import heartbeat
-from resilient_train.mesh import MeshSpec
-from resilient_train.preempt import PreemptionConfig
-from resilient_train.sharded import ShardedModule
-from resilient_train.supervisor import Supervisor, SupervisorConfig
-from resilient_train.train_state import Stateful, TrainState
-from resilient_train.workerio import OutputConfig
-
 __all__ = [
     "AgentConfig",
     "AsyncMode",
@@ -62,10 +43,57 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-# The agent's side, imported when first named: a rank that imports resilient_train does not load the agent.
-_LAZY = {"AgentConfig": "resilient_train.agent.config", "RunConfig": "resilient_train.runconfig"}
+# Every name is imported when first used (PEP 562): the node agent, which imports this package for its
+# configs, then loads neither the Supervisor nor what it pulls in (torch.distributed.tensor, DCP: about 1 s of
+# a 2-core machine at every start), and a rank does not load the agent.
+_LAZY = {
+    "AgentConfig": "resilient_train.agent.config",
+    "AsyncMode": "checkpointing",
+    "CheckpointConfig": "checkpointing",
+    "CuptiConfig": "monitors.cupti_kernels",
+    "DashboardConfig": "monitors.dashboard.server",
+    "GenerationFailed": "resilient_train.errors",
+    "HangConfig": "monitors.hang",
+    "InFlightPolicy": "checkpointing",
+    "MeshSpec": "resilient_train.mesh",
+    "MetricsConfig": "monitors",
+    "MonitorConfig": "monitors",
+    "OnGenuine": "resilient_train.rerun",
+    "OutputConfig": "resilient_train.workerio",
+    "PreemptionConfig": "resilient_train.preempt",
+    "RerunConfig": "resilient_train.rerun",
+    "RerunMode": "resilient_train.rerun",
+    "RunConfig": "resilient_train.runconfig",
+    "ShardedModule": "resilient_train.sharded",
+    "Stateful": "resilient_train.train_state",
+    "StepContext": "resilient_train.context",
+    "StragglerConfig": "monitors.straggler",
+    "Supervisor": "resilient_train.supervisor",
+    "SupervisorConfig": "resilient_train.supervisor",
+    "TrainState": "resilient_train.train_state",
+    "UsageError": "resilient_train.errors",
+    "WorkerEnv": "resilient_train.env",
+    "heartbeat": "resilient_train.heartbeat",
+}
 
 if TYPE_CHECKING:
+    from checkpointing import AsyncMode, CheckpointConfig, InFlightPolicy
+    from monitors import MetricsConfig, MonitorConfig
+    from monitors.cupti_kernels import CuptiConfig
+    from monitors.dashboard.server import DashboardConfig
+    from monitors.hang import HangConfig
+    from monitors.straggler import StragglerConfig
+    from resilient_train.env import WorkerEnv
+    from resilient_train.rerun import OnGenuine, RerunConfig, RerunMode
+    from resilient_train.context import StepContext
+    from resilient_train.errors import GenerationFailed, UsageError
+    from resilient_train.heartbeat import heartbeat
+    from resilient_train.mesh import MeshSpec
+    from resilient_train.preempt import PreemptionConfig
+    from resilient_train.sharded import ShardedModule
+    from resilient_train.supervisor import Supervisor, SupervisorConfig
+    from resilient_train.train_state import Stateful, TrainState
+    from resilient_train.workerio import OutputConfig
     from resilient_train.agent.config import AgentConfig
     from resilient_train.runconfig import RunConfig
 
@@ -76,3 +104,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module 'resilient_train' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

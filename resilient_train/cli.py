@@ -16,6 +16,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from resilient_train.exitfast import skip_final_collection
+
 if TYPE_CHECKING:
     from resilient_train.agent import AgentConfig
 
@@ -83,6 +85,7 @@ def run_config_name(config: "AgentConfig") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    skip_final_collection()
     # Subcommands owned by other packages take their own arguments.
     if argv[:1] == ["ckpt"]:
         from checkpointing.cli import main as ckpt_main

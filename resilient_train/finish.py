@@ -23,6 +23,7 @@ from monitors.events import EventLog
 
 from resilient_train import exitcodes
 from resilient_train.errors import GenerationFailed, JobStopped
+from resilient_train.exitfast import skip_final_collection
 from resilient_train.generation import RunFinished
 from resilient_train.store import Keys, current_generation, fail_join, wait_until
 from resilient_train.local_state import LocalSlots
@@ -106,6 +107,7 @@ def close_failed(failures: list[tuple[str, str]], events: EventLog, *, rank: int
 def end_run(events: EventLog, *, rank: int, step: int, recoveries: int, under_agent: bool, store_lost: str | None,
             stopped: JobStopped | None, preempted: bool) -> int | None:
     """The run's last event (``run_end``, with why it ended) and the rank's exit code; None: it finished."""
+    skip_final_collection()  # the agent waits for this rank's exit before it can say the job ended
     pid = os.getpid()
     if store_lost is not None:
         events.emit("run_end", rank=rank, pid=pid, step=step, recoveries=recoveries, store_lost=store_lost)

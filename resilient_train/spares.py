@@ -227,16 +227,6 @@ class SparePool:
     def enable(self) -> None:
         self.enabled = True
 
-    def warm_first(self, wait_ready_s: float) -> None:
-        """Starts the first spare now and waits until it has imported torch (before the ranks take the CPU)."""
-        self.enabled = True
-        self._due = 0.0
-        spare = self._start_next()
-        if spare is not None:
-            if spare.poll(wait_ready_s) is SpareState.WARMING:
-                self._emit("spare_slow", waited_s=wait_ready_s)
-            self._note(spare)
-
     def poll(self) -> None:
         """Notes spares that died or went stale, and starts the next one when it is due."""
         self.note()

@@ -133,12 +133,11 @@ class Agent:
         if self._dashboard is not None:
             self._dashboard.start()
         if self.entry.mentions_runtime() and self.spares is not None:
-            # A Supervisor job: the spare imports torch first, alone. The ranks starting beside it would
-            # slow its import several-fold, and a fault early in the run would find it still cold.
-            if c.spare:
-                self.spares.enable()  # a spare node has no ranks yet: it warms its spares while it waits
-            else:
-                self.spares.warm_first(wait_ready_s=30.0)
+            # A Supervisor job: the first spare starts beside the ranks (the loop's first look, once they are
+            # spawned), not before them: waiting for its import delayed every job's first step by that import
+            # (2.2 s on 2 cores); a rank lost before it is ready still takes it and waits out the rest of it.
+            # A spare node has no ranks yet: it warms its spares while it waits.
+            self.spares.enable()
         self.signals.install()
         try:
             self._guarded(self._begin)
