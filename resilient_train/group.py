@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from resilient_train.cancelstore import CancellableStore
 from resilient_train.store import Keys
 
 __all__ = ["abort_nccl", "backend_device", "build_group", "destroy_group", "join_releases", "release_group", "release_in_background",
@@ -48,11 +49,16 @@ def _reset_counter() -> None:
 
 
 def build_group(store: dist.Store, generation: int, *, rank: int, world_size: int, backend: str,
-                timeout_s: float, device: torch.device) -> dist.ProcessGroup:
+                timeout_s: float, device: torch.device,
+                cancelled: threading.Event | None = None) -> dist.ProcessGroup:
+    """The default group of ``generation``; on gloo, its build fails once ``cancelled`` is set (the watcher's
+    ``moved``) instead of waiting ``timeout_s`` for a rank lost before it published its address."""
     if dist.is_initialized():
         release_in_background([g] if (g := destroy_group(device)) is not None else [])
     _reset_counter()
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if backend == "gloo" and cancelled is not None:
+        store = CancellableStore(store, cancelled, what=f"building generation {generation}'s group")
     hook = sys.excepthook
     try:
         dist.init_process_group(

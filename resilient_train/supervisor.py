@@ -113,11 +113,10 @@ class Supervisor:
     def sharded(self, model: torch.nn.Module, parallelize: Parallelize, *, mesh: MeshSpec | None = None) -> ShardedModule:
         """``model`` parallelised by ``parallelize(module, mesh)`` (``fully_shard``, ``parallelize_module``).
 
-        Pass the model before it is parallelised, with its initial values: every
-        generation the supervisor builds the mesh ``mesh`` describes on the new
-        process group, applies ``parallelize`` to a fresh copy and moves this
-        rank's shards into it (:mod:`resilient_train.sharded`). Call what this
-        returns, and give it to ``TrainState(model=...)``.
+        Pass the model before it is parallelised, with its initial values: every generation the supervisor
+        builds the mesh ``mesh`` describes on the new process group, applies ``parallelize`` to a fresh copy
+        and moves this rank's shards into it (:mod:`resilient_train.sharded`). Call what this returns, and
+        give it to ``TrainState(model=...)``.
         """
         if self._sharded is not None:
             raise UsageError("sup.sharded was called twice: one sharded model per job (parallelize all of it at once)")
@@ -240,7 +239,8 @@ class Supervisor:
         self._watcher.watch(plan.generation)
         self.stepper.enter(Phase.RENDEZVOUS.value, plan.step if plan.step is not None else self.state.step)
         self.group = build_group(self.store, plan.generation, rank=self.env.rank, world_size=self.env.world_size,
-                                 backend=self.backend, timeout_s=self.config.pg_timeout_s, device=self.device)
+                                 backend=self.backend, timeout_s=self.config.pg_timeout_s, device=self.device,
+                                 cancelled=self._watcher.moved)
         if self._mesh_spec is not None:
             self.mesh = build_mesh(self._mesh_spec, world_size=self.env.world_size, device=self.device)
         self.parts.on_generation(plan.generation, self.store)

@@ -94,6 +94,11 @@ def test_a_replacement_killed_while_the_group_is_built_does_not_livelock(tmp_pat
     assert [e["phase"] for e in job.of("fault_injected")] == ["forward", "rendezvous"]
     done = job.of("recovery_done")
     assert done and max(e["generation"] for e in done) <= 4, [e["generation"] for e in done]
+    # The survivors were building generation 2's group, waiting for the killed rank's address: the wake ended
+    # that wait (resilient_train.cancelstore), not the group's 30 s timeout.
+    built = [e for e in job.of("fault_detected") if e.get("generation") == 2 and e["rank"] in (0, 2)]
+    assert sorted(e["rank"] for e in built) == [0, 2], job.of("fault_detected")
+    assert all("declared failed while waiting for" in e["error"] for e in built), built
     d = ckpt_diff(references.get(3, 12), job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
 
