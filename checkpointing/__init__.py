@@ -4,8 +4,9 @@ Single process: :func:`write_state`, :func:`read_state`, :func:`diff_states`.
 Many ranks, asynchronous: :class:`CheckpointManager` with :class:`CheckpointConfig`.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from monitors.lazynames import lazy_names
 
 from checkpointing.config import AsyncMode, CheckpointConfig, InFlightPolicy
 
@@ -54,10 +55,4 @@ if TYPE_CHECKING:
     from checkpointing.manifest import CheckpointError, Manifest, verify_checkpoint
     from checkpointing.state_files import read_state, write_state
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'checkpointing' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

@@ -8,8 +8,9 @@ Wrap an existing loop::
 Every config class is here: ``RunConfig`` composes the sections (README, "Configuration").
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from monitors.lazynames import lazy_names
 
 __all__ = [
     "AgentConfig",
@@ -97,14 +98,4 @@ if TYPE_CHECKING:
     from resilient_train.agent.config import AgentConfig
     from resilient_train.runconfig import RunConfig
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'resilient_train' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
