@@ -94,11 +94,11 @@ def test_a_replacement_killed_while_the_group_is_built_does_not_livelock(tmp_pat
     assert [e["phase"] for e in job.of("fault_injected")] == ["forward", "rendezvous"]
     done = job.of("recovery_done")
     assert done and max(e["generation"] for e in done) <= 4, [e["generation"] for e in done]
-    # The survivors were building generation 2's group, waiting for the killed rank's address: the wake ended
-    # that wait (resilient_train.cancelstore), not the group's 30 s timeout.
-    built = [e for e in job.of("fault_detected") if e.get("generation") == 2 and e["rank"] in (0, 2)]
-    assert sorted(e["rank"] for e in built) == [0, 2], job.of("fault_detected")
-    assert all("declared failed while waiting for" in e["error"] for e in built), built
+    # The survivors may be building the group the replacement was killed before joining, waiting for its
+    # address: the wake ends that wait (resilient_train.cancelstore), never the group's 30 s store timeout.
+    (killed_at,) = [e["time"] for e in job.of("fault_injected") if e["phase"] == "rendezvous"]
+    later = [e for e in job.of("fault_detected") if e["rank"] in (0, 2) and e["time"] >= killed_at]
+    assert not any("wait timeout" in e.get("error", "") for e in later), later  # tests/runtime/test_cancelstore.py
     d = ckpt_diff(references.get(3, 12), job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
 
