@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 __all__ = ["Preemption", "PreemptionConfig", "checkpoint_for_preemption"]
 
 _SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
+# A preempted rank waits this long for a join under way (a replacement from a warm spare joins within a second,
+# a cold one within a few) before it stops the job from the join (Preemption.overdue_in_join).
+JOIN_WAIT_S = 5.0
 # SIGUSR2 is the agent's request for a hung rank's stacks (monitors.stacks): a preemption on it would turn
 # every hang report into a stop of the job.
 _RESERVED = {"SIGUSR2": "the agent asks a hung rank for its stacks with it (monitors.stacks)"}
@@ -91,6 +94,12 @@ class Preemption:
     @property
     def requested(self) -> bool:
         return self.signal is not None
+
+    def overdue_in_join(self) -> bool:
+        """Requested, and a join is still under way :data:`JOIN_WAIT_S` after the signal: no boundary every rank
+        shares is coming soon (a peer that will not come back: under plain torchrun a dead one), so the job
+        stops now, without the checkpoint, rather than be killed at the launcher's timeout."""
+        return self.requested_at is not None and time.monotonic() - self.requested_at >= JOIN_WAIT_S
 
     def request(self, why: str) -> None:
         if self.signal is None:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from monitors.events import EventLog
+from resilient_train import exitcodes
 from resilient_train.errors import Failure, JobStopped
 from resilient_train.generation import ResumePlan
 from resilient_train.judge import Judge, Stop
@@ -74,6 +75,13 @@ class Recovery:
             self._events.emit("job_stopped", rank=rank, reason=stop.reason, exit_code=stop.exit_code,
                               step=step, generation=generation, traceback=stop.traceback[-4000:])
         return JobStopped(stood.get("summary", stop.reason), int(stood.get("exit_code", stop.exit_code)))
+
+    def stop_for_preemption(self, signal: str | None, *, step: int, generation: int) -> None:
+        """A preemption signal came while this rank waited in a join that no peer finished: there is no step
+        boundary to checkpoint at, so the job stops now with REQUEUE (the join then ends with this stop)."""
+        why = (f"preempted ({signal}) while it recovered from a failure, with no step boundary every rank shares "
+               "to checkpoint at: started again, the job resumes from its newest committed checkpoint")
+        self.stop_job(Stop(reason=why, exit_code=exitcodes.REQUEUE), step=step, generation=generation)
 
     def raise_if_stopped(self) -> None:
         """Raises the job's stop, if one was asked for (a join looks while it waits)."""

@@ -7,6 +7,7 @@ thousands of simulated ranks that the supervisor drives with real ones.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
@@ -18,7 +19,8 @@ from resilient_train.store import Keys, current_generation, fail_join, interrupt
 if TYPE_CHECKING:
     from resilient_train.watch import GenerationWatcher
 
-__all__ = ["enter_generation", "interrupt_for_stop", "leave_generation", "report_fault", "stop_after_failure"]
+__all__ = ["enter_generation", "interrupt_for_stop", "join_interruptibly", "leave_generation", "report_fault",
+           "stop_after_failure"]
 
 
 def stop_after_failure(store: dist.Store, watcher: "GenerationWatcher") -> dict[str, Any] | None:
@@ -72,3 +74,42 @@ def interrupt_for_stop(store: dist.Store, *, world_size: int) -> None:
     g = current_generation(store)
     fail_join(store, g + 1, world_size=world_size)
     interrupt_generation(store, g, world_size=world_size)
+
+
+_SLICE_S = 0.1  # the main thread's wait on a join in slices: signal handlers run between them
+
+
+def join_interruptibly(join: Callable[[], ResumePlan], *, requested: Callable[[], bool],
+                       interrupt: Callable[[], None]) -> ResumePlan:
+    """``join()`` (:func:`enter_generation` on a connection of its own) on a thread, while the calling main
+    thread waits in slices, so that a preemption signal is acted on during a join too.
+
+    A join blocks in one store call until every rank has come or its timeout has passed, and Python runs a
+    signal's handler only between bytecodes of the main thread: a rank waiting for a peer that will never
+    come (under plain torchrun a dead one: torchrun restarts every worker, with SIGTERM then SIGKILL after
+    30 s) sat out the signal until it was killed. Once ``requested()`` turns true, ``interrupt()`` is
+    called once (it stops the job: the join then ends with the stop), and the join's outcome is returned or
+    raised as usual.
+    """
+    outcome: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append(join())
+        except BaseException as e:  # noqa: BLE001  (handed to the main thread)
+            outcome.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rt-join", daemon=True).start()
+    interrupted = False
+    while not done.wait(_SLICE_S):
+        if not interrupted and requested():
+            interrupted = True
+            interrupt()
+    (result,) = outcome
+    if isinstance(result, BaseException):
+        raise result
+    return result
+

@@ -1,15 +1,12 @@
 """The supervisor: runs a training loop inside a rank and keeps it alive.
 
-A user hands it a step function and a :class:`TrainState`. The supervisor is
-one loop over its lifecycle (:mod:`resilient_train.lifecycle`): join a
-generation, restore, train, finish; on a fault, recover and join the next.
-Each generation builds its process group on its own keys. A step commits only
-when every rank voted for it in the gradient reduction
-(:mod:`resilient_train.commit`), so after a fault every survivor is at a step
-boundary; ranks that lost the state (replacements, a rank torn in its
-optimizer update, a rank one step behind) heal from a live replica. Optional
-parts (progress, chaos, disk checkpoints, host snapshots, CUPTI, rerun) plug
-in through :mod:`resilient_train.parts`. See docs/design.md.
+A user hands it a step function and a :class:`TrainState`. The supervisor is one loop over its lifecycle
+(:mod:`resilient_train.lifecycle`): join a generation, restore, train, finish; on a fault, recover and join the
+next. Each generation builds its process group on its own keys. A step commits only when every rank voted for it in
+the gradient reduction (:mod:`resilient_train.commit`), so after a fault every survivor is at a step boundary; ranks
+that lost the state (replacements, a rank torn in its optimizer update, a rank one step behind) heal from a live
+replica. Optional parts (progress, chaos, disk checkpoints, host snapshots, CUPTI, rerun) plug in through
+:mod:`resilient_train.parts`. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -47,7 +44,7 @@ from resilient_train.mesh import MeshSpec, build_mesh, release_mesh
 from resilient_train.parts import DiskPart, Part
 from resilient_train.recovery import Recovery
 from resilient_train.reducer import GradientReducer
-from resilient_train.rendezvous import enter_generation
+from resilient_train.rendezvous import enter_generation, join_interruptibly
 from resilient_train.sharded import Parallelize, ShardedModule, check_sharded_run
 from resilient_train.stepping import Stepper
 from resilient_train.store import Keys, connect_worker_store
@@ -87,6 +84,7 @@ class Supervisor:
         # kills a hung rank.
         self._stacks_file = install_stack_dump(self.run_dir, self.env.rank) if self.run_dir else None
         self.store = connect_worker_store(self.env, timeout=timedelta(seconds=config.join_timeout_s))
+        self._join_store = self.store.clone()  # a join blocks its connection: a preempted main thread needs another
         self.slots = LocalSlots(self.store)
         explain_ddp_before_run(self.store, self.env.rank)
 
@@ -232,8 +230,11 @@ class Supervisor:
                               buddy_steps=self.buddy.offered() if self.buddy is not None else {})
 
         moved_to, self.recovery.moved_to = self.recovery.moved_to, None
-        plan = enter_generation(self.store, world_size=self.env.world_size, me=me,
-                                timeout=self.config.join_timeout_s, stopped=self.recovery.raise_if_stopped, moved_to=moved_to)
+        plan = join_interruptibly(
+            lambda: enter_generation(self._join_store, world_size=self.env.world_size, me=me, moved_to=moved_to,
+                                     timeout=self.config.join_timeout_s, stopped=self.recovery.raise_if_stopped),
+            requested=self.preemption.overdue_in_join, interrupt=lambda: self.recovery.stop_for_preemption(
+                self.preemption.signal, step=self.ctx.step, generation=self.generation))
         self.recovery.say_woken_detection(plan)
         self.generation = self._progress_generation = plan.generation
         self._watcher.watch(plan.generation)
@@ -319,8 +320,7 @@ class Supervisor:
     def _publish_grace(self) -> float:
         """This rank's preemption grace, in the store for its agent whenever it changes."""
         disk = self.disk
-        return self.preemption.publish_grace(self.store, self.env.rank,
-                                             disk.longest_save_s if disk is not None else 0.0,
+        return self.preemption.publish_grace(self.store, self.env.rank, disk.longest_save_s if disk else 0.0,
                                              disk.config.timeout_s if disk is not None else DEFAULT_TIMEOUT_S)
 
     def _finish(self) -> SupervisorState:

@@ -211,3 +211,60 @@ def test_a_generation_that_fails_while_it_assembles_ends_the_planners_wait() -> 
     t.join(20)
     assert plan.generation == 1 and plan.step == 7
     assert out["plan"] == plan
+
+
+@pytest.mark.timeout(60)
+def test_a_preemption_signal_ends_a_join_that_no_peer_will_finish(monkeypatch) -> None:
+    """Rank 0 joins a 2-rank generation alone (its peer died; under plain torchrun nobody replaces it) and a
+    real SIGUSR1 arrives: the main thread, waiting on the join in slices, runs the handler, and once the
+    preemption is overdue it stops the job, which ends the join as stopped rather than at its 30 s timeout."""
+    import os
+    import signal
+    import threading
+
+    from resilient_train import preempt, rendezvous
+    from resilient_train.store import request_stop
+
+    monkeypatch.setattr(preempt, "JOIN_WAIT_S", 0.2)
+    _server, connect = _store()
+    store = connect()
+    preemption = preempt.Preemption(preempt.PreemptionConfig(signals=("SIGUSR1",)))
+    interrupts: list[str | None] = []
+
+    def interrupt() -> None:
+        interrupts.append(preemption.signal)
+        request_stop(store, {"rank": 0, "summary": "preempted", "exit_code": 75})
+        rendezvous.interrupt_for_stop(store, world_size=2)
+
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    try:
+        with pytest.raises(_Stopped):
+            rendezvous.join_interruptibly(
+                lambda: rendezvous.enter_generation(connect(), world_size=2, me=lambda: _member(0, 4), timeout=30,
+                                                    stopped=_raise_if_stopped(store)),
+                requested=preemption.overdue_in_join, interrupt=interrupt)
+    finally:
+        preemption.close()
+    assert interrupts == ["SIGUSR1"]  # once, with the signal the handler saw
+
+
+@pytest.mark.timeout(60)
+def test_an_interruptible_join_returns_its_plan_when_nothing_is_requested() -> None:
+    import threading
+
+    from resilient_train import rendezvous
+
+    _server, connect = _store()
+    plans: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        plans[r] = rendezvous.join_interruptibly(
+            lambda: rendezvous.enter_generation(connect(), world_size=2, me=lambda: _member(r, 6), timeout=30,
+                                                stopped=lambda: None),
+            requested=lambda: False, interrupt=lambda: pytest.fail("interrupted without a request"))
+
+    other = threading.Thread(target=rank, args=(1,))
+    other.start()
+    rank(0)
+    other.join(30)
+    assert {r: (p.generation, p.step) for r, p in plans.items()} == {0: (0, 6), 1: (0, 6)}

@@ -47,6 +47,10 @@ def test_dead_process_is_restarted_by_torchrun(tmp_path, references):
     assert job.returncode == 0, job.stderr[-3000:]
     # torchrun restarted both workers: two run starts per rank.
     assert sorted(e["rank"] for e in job.of("run_start")) == [0, 0, 1, 1]
+    # The survivor waited in a join for the dead rank when torchrun's SIGTERM came: it stopped the job from
+    # there (Preemption.overdue_in_join) rather than sit out torchrun's 30 s to its SIGKILL.
+    first_end = [e for e in job.of("run_end") if e["rank"] == 0][0]
+    assert "preempted (SIGTERM) while it recovered from a failure" in first_end.get("stopped", ""), first_end
     d = ckpt_diff(references.get(2, STEPS), job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
 
