@@ -95,11 +95,14 @@ class Preemption:
     def requested(self) -> bool:
         return self.signal is not None
 
-    def overdue_in_join(self) -> bool:
-        """Requested, and a join is still under way :data:`JOIN_WAIT_S` after the signal: no boundary every rank
-        shares is coming soon (a peer that will not come back: under plain torchrun a dead one), so the job
-        stops now, without the checkpoint, rather than be killed at the launcher's timeout."""
-        return self.requested_at is not None and time.monotonic() - self.requested_at >= JOIN_WAIT_S
+    def overdue_in_join(self, *, since: float) -> bool:
+        """Requested, and the join that began at ``since`` (monotonic) is still under way :data:`JOIN_WAIT_S`
+        after the signal or after it began, whichever came later: no boundary every rank shares is coming soon
+        (a peer that will not come back: under plain torchrun a dead one), so the job stops now, without the
+        checkpoint, rather than be killed at the launcher's timeout. A signal that came during a long step
+        still gives the join that follows its own wait."""
+        return (self.requested_at is not None
+                and time.monotonic() - max(self.requested_at, since) >= JOIN_WAIT_S)
 
     def request(self, why: str) -> None:
         if self.signal is None:

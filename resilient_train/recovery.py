@@ -41,6 +41,7 @@ class Recovery:
         self.timings: dict[str, float] = {}
         self.moved_to: int | None = None  # the generation to join after a wake (joined without asking)
         self._woken_detection: dict[str, Any] | None = None  # its fault_detected, said once the join tells
+        self._preemption_stopped = False  # stop_for_preemption asked the job's stop
 
     def judge(self, exc: BaseException, *, step: int) -> JobStopped | Stop | None:
         """A failure: None to recover it; the job's stop (``JobStopped``: another rank's, or ``exc``), or a
@@ -76,11 +77,16 @@ class Recovery:
                               step=step, generation=generation, traceback=stop.traceback[-4000:])
         return JobStopped(stood.get("summary", stop.reason), int(stood.get("exit_code", stop.exit_code)))
 
-    def stop_for_preemption(self, signal: str | None, *, step: int, generation: int) -> None:
+    def stop_for_preemption(self, signal: str | None, *, fresh: bool, step: int, generation: int) -> None:
         """A preemption signal came while this rank waited in a join that no peer finished: there is no step
-        boundary to checkpoint at, so the job stops now with REQUEUE (the join then ends with this stop)."""
-        why = (f"preempted ({signal}) while it recovered from a failure, with no step boundary every rank shares "
-               "to checkpoint at: started again, the job resumes from its newest committed checkpoint")
+        boundary to checkpoint at, so the job stops now with REQUEUE (the join then ends with this stop).
+        Once per rank: a join that completed anyway leaves the stop to be read at the next one."""
+        if self._preemption_stopped:
+            return
+        self._preemption_stopped = True
+        while_ = "it joined the job" if fresh else "it recovered from a failure"
+        why = (f"preempted ({signal}) while {while_}, with no step boundary every rank shares to checkpoint at: "
+               "started again, the job resumes from its newest committed checkpoint")
         self.stop_job(Stop(reason=why, exit_code=exitcodes.REQUEUE), step=step, generation=generation)
 
     def raise_if_stopped(self) -> None:

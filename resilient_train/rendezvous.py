@@ -89,7 +89,8 @@ def join_interruptibly(join: Callable[[], ResumePlan], *, requested: Callable[[]
     come (under plain torchrun a dead one: torchrun restarts every worker, with SIGTERM then SIGKILL after
     30 s) sat out the signal until it was killed. Once ``requested()`` turns true, ``interrupt()`` is
     called once (it stops the job: the join then ends with the stop), and the join's outcome is returned or
-    raised as usual.
+    raised as usual. Should ``interrupt()`` raise (the store did not take the stop), the join is still awaited
+    (it ends by its own deadline; no thread is left holding its connection) and that error raised then.
     """
     outcome: list[Any] = []
     done = threading.Event()
@@ -102,13 +103,21 @@ def join_interruptibly(join: Callable[[], ResumePlan], *, requested: Callable[[]
         finally:
             done.set()
 
-    threading.Thread(target=run, name="rt-join", daemon=True).start()
+    thread = threading.Thread(target=run, name="rt-join", daemon=True)
+    thread.start()
     interrupted = False
+    failed: Exception | None = None
     while not done.wait(_SLICE_S):
         if not interrupted and requested():
             interrupted = True
-            interrupt()
+            try:
+                interrupt()
+            except Exception as e:  # noqa: BLE001  (raised once the join has ended)
+                failed = e
+    thread.join()  # done: it is leaving
     (result,) = outcome
+    if failed is not None:
+        raise failed
     if isinstance(result, BaseException):
         raise result
     return result

@@ -233,8 +233,8 @@ class Supervisor:
         plan = join_interruptibly(
             lambda: enter_generation(self._join_store, world_size=self.env.world_size, me=me, moved_to=moved_to,
                                      timeout=self.config.join_timeout_s, stopped=self.recovery.raise_if_stopped),
-            requested=self.preemption.overdue_in_join, interrupt=lambda: self.recovery.stop_for_preemption(
-                self.preemption.signal, step=self.ctx.step, generation=self.generation))
+            requested=lambda: self.preemption.overdue_in_join(since=t0), interrupt=lambda: self.recovery.stop_for_preemption(
+                self.preemption.signal, fresh=self._fresh, step=self.ctx.step, generation=self.generation))
         self.recovery.say_woken_detection(plan)
         self.generation = self._progress_generation = plan.generation
         self._watcher.watch(plan.generation)

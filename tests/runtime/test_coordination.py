@@ -213,14 +213,26 @@ def test_a_generation_that_fails_while_it_assembles_ends_the_planners_wait() -> 
     assert out["plan"] == plan
 
 
+def _interruptible_join(connect, *, rank: int, world: int, requested, interrupt, stopped=lambda: None):
+    """A rank's join as the supervisor makes it: on its own connection, waited on in slices. Its timeout (600 s)
+    is past every test's: a join that only ended by its deadline fails the test by pytest's timeout."""
+    from resilient_train import rendezvous
+
+    return rendezvous.join_interruptibly(
+        lambda: rendezvous.enter_generation(connect(), world_size=world, me=lambda: _member(rank, 4), timeout=600,
+                                            stopped=stopped),
+        requested=requested, interrupt=interrupt)
+
+
 @pytest.mark.timeout(60)
 def test_a_preemption_signal_ends_a_join_that_no_peer_will_finish(monkeypatch) -> None:
     """Rank 0 joins a 2-rank generation alone (its peer died; under plain torchrun nobody replaces it) and a
     real SIGUSR1 arrives: the main thread, waiting on the join in slices, runs the handler, and once the
-    preemption is overdue it stops the job, which ends the join as stopped rather than at its 30 s timeout."""
+    preemption is overdue it stops the job, which ends the join as stopped rather than at its timeout."""
     import os
     import signal
     import threading
+    import time
 
     from resilient_train import preempt, rendezvous
     from resilient_train.store import request_stop
@@ -236,35 +248,70 @@ def test_a_preemption_signal_ends_a_join_that_no_peer_will_finish(monkeypatch) -
         request_stop(store, {"rank": 0, "summary": "preempted", "exit_code": 75})
         rendezvous.interrupt_for_stop(store, world_size=2)
 
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    t0 = time.monotonic()
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
     try:
         with pytest.raises(_Stopped):
-            rendezvous.join_interruptibly(
-                lambda: rendezvous.enter_generation(connect(), world_size=2, me=lambda: _member(0, 4), timeout=30,
-                                                    stopped=_raise_if_stopped(store)),
-                requested=preemption.overdue_in_join, interrupt=interrupt)
+            _interruptible_join(connect, rank=0, world=2, requested=lambda: preemption.overdue_in_join(since=t0),
+                                interrupt=interrupt, stopped=_raise_if_stopped(store))
     finally:
+        timer.cancel()
+        timer.join()
         preemption.close()
     assert interrupts == ["SIGUSR1"]  # once, with the signal the handler saw
 
 
 @pytest.mark.timeout(60)
-def test_an_interruptible_join_returns_its_plan_when_nothing_is_requested() -> None:
+def test_a_preemption_signal_leaves_a_join_that_completes_in_time_to_its_plan() -> None:
+    """The signal comes while the peer is on its way (a warm spare's replacement): the join completes within
+    JOIN_WAIT_S, returns its plan and nothing stops the job (the stop then rides the next step's vote)."""
+    import os
+    import signal
     import threading
+    import time
 
-    from resilient_train import rendezvous
+    from resilient_train import preempt
+
+    _server, connect = _store()
+    preemption = preempt.Preemption(preempt.PreemptionConfig(signals=("SIGUSR1",)))
+    plans: dict[int, object] = {}
+    os.kill(os.getpid(), signal.SIGUSR1)  # handled before the join starts: the join still gets its own wait
+    time.sleep(0.05)
+    assert preemption.signal == "SIGUSR1"
+    peer = threading.Timer(0.5, lambda: plans.__setitem__(1, _interruptible_join(
+        connect, rank=1, world=2, requested=lambda: False, interrupt=lambda: None)))
+    peer.start()
+    t0 = time.monotonic()
+    try:
+        plans[0] = _interruptible_join(connect, rank=0, world=2,
+                                       requested=lambda: preemption.overdue_in_join(since=t0),
+                                       interrupt=lambda: pytest.fail("stopped a join that completed in time"))
+    finally:
+        peer.join(30)
+        preemption.close()
+    assert {r: (p.generation, p.step) for r, p in plans.items()} == {0: (0, 4), 1: (0, 4)}
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_interrupt_waits_for_the_join_then_raises() -> None:
+    """interrupt() raised (the store did not take the stop): no thread is left behind on the join's connection;
+    the join is awaited (here its peer comes) and the interrupt's error is raised after it."""
+    import threading
 
     _server, connect = _store()
     plans: dict[int, object] = {}
+    peer = threading.Timer(0.5, lambda: plans.__setitem__(1, _interruptible_join(
+        connect, rank=1, world=2, requested=lambda: False, interrupt=lambda: None)))
+    peer.start()
 
-    def rank(r: int) -> None:
-        plans[r] = rendezvous.join_interruptibly(
-            lambda: rendezvous.enter_generation(connect(), world_size=2, me=lambda: _member(r, 6), timeout=30,
-                                                stopped=lambda: None),
-            requested=lambda: False, interrupt=lambda: pytest.fail("interrupted without a request"))
+    def interrupt() -> None:
+        raise RuntimeError("the store did not take the stop")
 
-    other = threading.Thread(target=rank, args=(1,))
-    other.start()
-    rank(0)
-    other.join(30)
-    assert {r: (p.generation, p.step) for r, p in plans.items()} == {0: (0, 6), 1: (0, 6)}
+    try:
+        with pytest.raises(RuntimeError, match="did not take the stop"):
+            _interruptible_join(connect, rank=0, world=2, requested=lambda: True, interrupt=interrupt)
+    finally:
+        peer.join(30)
+    assert 1 in plans  # the peer's join completed: rank 0's join was still there for it
+    assert not [t for t in threading.enumerate() if t.name == "rt-join"]  # no join left on its connection
