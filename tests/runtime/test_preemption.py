@@ -150,3 +150,40 @@ def test_ranks_killed_after_their_commit_still_end_in_75(tmp_path):
     (killed,) = job.of("shutdown_killed")
     assert killed["ranks"] == [0, 1] and killed["grace_s"] == 8
     assert "its checkpoint is committed" in job.stderr and "SIGKILL after 8 s" in job.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_agent_right_after_a_rank_is_killed_ends_in_75_and_resumes_bitwise(tmp_path, references):
+    """An operator's two faults at once: a rank SIGKILLed from outside and, in the same instant, the scheduler's
+    SIGTERM to the agent. Whichever way the race goes (the replacement joins and the stop rides the next vote,
+    with the preemption's checkpoint; or the survivor waits in a join nobody will finish and stops the job
+    from there), the agent exits 75 well inside the grace, and the same command resumes and ends bitwise where
+    an uninterrupted run does."""
+    import time
+
+    run_dir = tmp_path / "run"
+    extra = ["--ckpt-every", "5"]
+    proc = start_gpt(run_dir, nproc=2, steps=STEPS, extra=extra)
+    try:
+        wait_for_event(run_dir, lambda e: e["event"] == "step_done" and e["step"] >= 8, timeout=120, proc=proc)
+        rank1 = [e for e in Job(0, "", "", run_dir).of("run_start") if e["rank"] == 1][-1]
+        os.kill(rank1["pid"], signal.SIGKILL)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=120)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    first = Job(proc.returncode, stdout, stderr, run_dir)
+    assert first.returncode == REQUEUE, first.stderr[-3000:]
+    assert took < 60, f"the agent left {took:.0f} s after the signal: at its grace's SIGKILL, not by the ranks"
+    committed = [e for e in first.of("preempted") if e.get("checkpoint_committed")]
+    stops = [e for e in first.of("job_stopped") if "preempted (SIGTERM) while" in e["reason"]]
+    assert len(committed) == 2 or (stops and stops[0]["exit_code"] == REQUEUE), (first.of("preempted"), stops)
+
+    second = run_gpt(run_dir, nproc=2, steps=STEPS, extra=extra)
+    assert second.returncode == 0, second.stderr[-3000:]
+    d = ckpt_diff(references.get(2, STEPS), run_dir / "final")
+    assert d.returncode == 0, d.stdout + d.stderr
