@@ -57,14 +57,17 @@ STEPS4 = 24  # the 4-rank reference test_nodes.py uses too
 
 
 def _preempted_job(run_dir, *, nproc: int, steps: int, extra: list[str], env: dict[str, str],
-                   agent_args: list[str], after, script=None) -> tuple[Job, float]:
-    """Starts a GPT job, SIGTERMs its agent once ``after(event)`` holds; the job and the signal's wall time."""
+                   agent_args: list[str], after, script=None, before=None) -> tuple[Job, float]:
+    """Starts a GPT job, SIGTERMs its agent once ``after(event)`` holds (``before()`` first, if given); the job
+    and the signal's wall time."""
     import time
 
     kw = {"script": script} if script is not None else {}
     proc = start_gpt(run_dir, nproc=nproc, steps=steps, extra=extra, env=env, agent_args=agent_args, **kw)
     try:
         wait_for_event(run_dir, after, timeout=150, proc=proc)
+        if before is not None:
+            before()
         signalled = time.time()
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=150)
@@ -159,25 +162,18 @@ def test_sigterm_to_the_agent_right_after_a_rank_is_killed_ends_in_75_and_resume
     with the preemption's checkpoint; or the survivor waits in a join nobody will finish and stops the job
     from there), the agent exits 75 well inside the grace, and the same command resumes and ends bitwise where
     an uninterrupted run does."""
-    import time
-
     run_dir = tmp_path / "run"
     extra = ["--ckpt-every", "5"]
-    proc = start_gpt(run_dir, nproc=2, steps=STEPS, extra=extra)
-    try:
-        wait_for_event(run_dir, lambda e: e["event"] == "step_done" and e["step"] >= 8, timeout=120, proc=proc)
+
+    def kill_rank1() -> None:
         rank1 = [e for e in Job(0, "", "", run_dir).of("run_start") if e["rank"] == 1][-1]
         os.kill(rank1["pid"], signal.SIGKILL)
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        stdout, stderr = proc.communicate(timeout=120)
-        took = time.monotonic() - signalled
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    first = Job(proc.returncode, stdout, stderr, run_dir)
+
+    first, signalled = _preempted_job(run_dir, nproc=2, steps=STEPS, extra=extra, env={}, agent_args=[],
+                                      after=lambda e: e["event"] == "step_done" and e["step"] >= 8, before=kill_rank1)
     assert first.returncode == REQUEUE, first.stderr[-3000:]
+    (end,) = first.of("agent_end")
+    took = end["time"] - signalled
     assert took < 60, f"the agent left {took:.0f} s after the signal: at its grace's SIGKILL, not by the ranks"
     committed = [e for e in first.of("preempted") if e.get("checkpoint_committed")]
     stops = [e for e in first.of("job_stopped") if "preempted (SIGTERM) while" in e["reason"]]
