@@ -121,4 +121,3 @@ def join_interruptibly(join: Callable[[], ResumePlan], *, requested: Callable[[]
     if isinstance(result, BaseException):
         raise result
     return result
-

@@ -263,30 +263,48 @@ def test_a_preemption_signal_ends_a_join_that_no_peer_will_finish(monkeypatch) -
 
 
 @pytest.mark.timeout(60)
-def test_a_preemption_signal_leaves_a_join_that_completes_in_time_to_its_plan() -> None:
-    """The signal comes while the peer is on its way (a warm spare's replacement): the join completes within
-    JOIN_WAIT_S, returns its plan and nothing stops the job (the stop then rides the next step's vote)."""
-    import os
+def test_a_join_counts_its_preemption_wait_from_the_later_of_the_signal_and_its_start() -> None:
+    """A signal that came during a long step (long before the join) still gives the join its JOIN_WAIT_S."""
+    import time
+
+    from resilient_train import preempt
+
+    p = preempt.Preemption(preempt.PreemptionConfig(signals=()))
+    now = time.monotonic()
+    assert not p.overdue_in_join(since=now - 60)  # no signal: never overdue
+    p.request("SIGTERM")
+    p.requested_at = now - 60  # the signal came a minute ago
+    assert not p.overdue_in_join(since=now)  # the join began just now: its wait is still ahead
+    assert p.overdue_in_join(since=now - preempt.JOIN_WAIT_S)  # it began a JOIN_WAIT_S ago
+    p.requested_at = now  # the signal came now, in a join begun a minute ago
+    assert not p.overdue_in_join(since=now - 60)
+
+
+@pytest.mark.timeout(60)
+def test_a_preemption_signal_leaves_a_join_that_completes_to_its_plan(monkeypatch) -> None:
+    """The signal comes while the peer is on its way (a warm spare's replacement): the join completes before
+    the preemption is overdue (JOIN_WAIT_S is made long here, so the box's speed cannot matter), returns its
+    plan and nothing stops the job (the stop then rides the next step's vote)."""
     import signal
     import threading
     import time
 
     from resilient_train import preempt
 
+    monkeypatch.setattr(preempt, "JOIN_WAIT_S", 600.0)
     _server, connect = _store()
     preemption = preempt.Preemption(preempt.PreemptionConfig(signals=("SIGUSR1",)))
     plans: dict[int, object] = {}
-    os.kill(os.getpid(), signal.SIGUSR1)  # handled before the join starts: the join still gets its own wait
-    time.sleep(0.05)
+    signal.raise_signal(signal.SIGUSR1)  # its handler has run when this returns
     assert preemption.signal == "SIGUSR1"
-    peer = threading.Timer(0.5, lambda: plans.__setitem__(1, _interruptible_join(
+    peer = threading.Thread(target=lambda: plans.__setitem__(1, _interruptible_join(
         connect, rank=1, world=2, requested=lambda: False, interrupt=lambda: None)))
     peer.start()
     t0 = time.monotonic()
     try:
         plans[0] = _interruptible_join(connect, rank=0, world=2,
                                        requested=lambda: preemption.overdue_in_join(since=t0),
-                                       interrupt=lambda: pytest.fail("stopped a join that completed in time"))
+                                       interrupt=lambda: pytest.fail("stopped a join that completed"))
     finally:
         peer.join(30)
         preemption.close()
@@ -296,22 +314,23 @@ def test_a_preemption_signal_leaves_a_join_that_completes_in_time_to_its_plan() 
 @pytest.mark.timeout(60)
 def test_a_failed_interrupt_waits_for_the_join_then_raises() -> None:
     """interrupt() raised (the store did not take the stop): no thread is left behind on the join's connection;
-    the join is awaited (here its peer comes) and the interrupt's error is raised after it."""
+    the join is awaited (its peer, started by the interrupt, comes) and the interrupt's error is raised after."""
     import threading
 
     _server, connect = _store()
     plans: dict[int, object] = {}
-    peer = threading.Timer(0.5, lambda: plans.__setitem__(1, _interruptible_join(
+    peer = threading.Thread(target=lambda: plans.__setitem__(1, _interruptible_join(
         connect, rank=1, world=2, requested=lambda: False, interrupt=lambda: None)))
-    peer.start()
 
     def interrupt() -> None:
+        peer.start()  # rank 0's join is under way: the peer comes only now
         raise RuntimeError("the store did not take the stop")
 
     try:
         with pytest.raises(RuntimeError, match="did not take the stop"):
             _interruptible_join(connect, rank=0, world=2, requested=lambda: True, interrupt=interrupt)
     finally:
-        peer.join(30)
+        if peer.is_alive():
+            peer.join(30)
     assert 1 in plans  # the peer's join completed: rank 0's join was still there for it
     assert not [t for t in threading.enumerate() if t.name == "rt-join"]  # no join left on its connection
