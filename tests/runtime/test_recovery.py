@@ -54,10 +54,16 @@ def test_exception_in_step_recovers_in_process(tmp_path, references, nproc):
     assert not [e for e in job.of("worker_spawned") if e["replacement"]], "no process should have been replaced"
     done = job.of("recovery_done")
     assert {e["generation"] for e in done} == {1, 2}
-    # From live replicas, nothing redone: step 2's forward raised before any vote (every rank resumes at 2);
-    # step 6's optimizer phase raised after the reduction, which the peer went on to commit (resume at 7).
+    # From live replicas, nothing redone: step 2's forward raised before any vote (every rank resumes at 2).
+    # Step 6's optimizer phase raised on rank 0 after the reduction, before its own commit. Each peer commits
+    # step 6 unless the fault's wake reaches it first (commit.py: a step of a generation declared failed is
+    # not applied; seen in CI on a loaded box): the run resumes at the newest boundary a survivor holds, 7
+    # when some peer committed (its fault is then seen in step 7), else 6.
+    peers = [e for e in job.of("fault_detected") if e["generation"] == 1 and e["rank"] != 0]
+    assert sorted(e["rank"] for e in peers) == list(range(1, nproc)) and {e["step"] for e in peers} <= {6, 7}, peers
+    newest = max(e["step"] for e in peers)
     assert {(e["generation"], e["resume_from"], e["resume_step"], e["steps_redone"]) for e in done} == {
-        (1, "live", 2, 0), (2, "live", 7, 0)}, done
+        (1, "live", 2, 0), (2, "live", newest, 0)}, (done, peers)
 
 
 @pytest.mark.timeout(240)
