@@ -6,6 +6,11 @@ flight, and the store (hosted by the agent) outlives any rank. Keys, under
 ``arrived`` a counter, ``all`` set by the last rank to arrive, ``outcome`` set by
 rank 0 once it committed or gave up. Pass a store namespaced by generation
 (e.g. a ``PrefixStore``) so a step saved again after a restart starts clean.
+A save with a ``tag`` (a preemption's) has keys of its own, under
+``{prefix}/{tag}/{step}/``: the step may have been saved already in this store
+(its periodic save skipped, failed or committed), and a save reading an earlier
+one's ``all`` and ``outcome`` would commit, or say committed, before every rank
+wrote it.
 
 The committer waits on the store; a TCPStore client serves one request at a
 time, so the coordinator works on its own connection (``Store.clone()``) and
@@ -96,6 +101,15 @@ class StoreCoordinator:
 
     def _key(self, step: int, name: str) -> str:
         return f"{self._prefix}/{step}/{name}"
+
+    def tagged(self, tag: str | None) -> StoreCoordinator:
+        """This coordinator for saves tagged ``tag`` (keys under ``{prefix}/{tag}/{step}/``); itself for None."""
+        if tag is None:
+            return self
+        if not tag or "/" in tag:
+            raise ValueError(f"a save's tag must be a non-empty name without '/', got {tag!r}")
+        return StoreCoordinator(self._store, rank=self._rank, world_size=self._world, prefix=f"{self._prefix}/{tag}",
+                                cancelled=self._cancelled)
 
     def skip(self, step: int) -> None:
         """This rank will not save ``step``: every rank waiting on it gives the step up."""

@@ -153,13 +153,17 @@ class CheckpointManager:
 
     def save(
         self, step: int, state: dict[str, Any], *, extras: dict[str, Any] | None = None, blocking: bool = False,
-        required: bool = False, wait_s: float | None = None,
+        required: bool = False, wait_s: float | None = None, tag: str | None = None,
     ) -> SaveHandle:
         """Stages ``state`` and returns; with ``blocking`` (or async disabled) waits until it is committed.
 
         ``required`` (the last step's save, a preemption's): never skipped by the ``skip`` policy; it
         waits for the save in flight instead, at most ``wait_s`` (default ``config.timeout_s``); one
         still in flight then is left to finish and this save is skipped (a preemption's grace is over).
+        A required save of the step the save in flight (or the last one) is of waits for that save and
+        returns its handle once it commits, rather than write the step twice. ``tag``: the save's
+        coordination keys are its own (:meth:`StoreCoordinator.tagged`), for a save every rank requests
+        once (a preemption's) of a step that may have been saved, skipped or failed already.
         Raises :class:`DiskFullError` once a save failed for a full disk: checkpointing cannot go on,
         and restarting ranks does not help.
         """
@@ -176,10 +180,19 @@ class CheckpointManager:
         except (TypeError, ValueError) as e:
             raise ValueError(f"CheckpointManager.save: extras must be JSON data: {e}") from None
         previous = self._inflight
+        if required and previous is not None and previous.step == step and previous.phase != SavePhase.FAILED:
+            try:
+                if previous.wait(self.config.timeout_s if wait_s is None else wait_s) is SavePhase.COMMITTED:
+                    return previous
+            except TimeoutError:
+                if wait_s is None:
+                    raise
+                return previous  # still in flight: the caller's own wait says how it ended
+        coord = self._coord.tagged(tag)
         if previous is not None and not previous.phase.terminal:
             if self.config.in_flight == InFlightPolicy.SKIP and not required:
                 self._events.emit("checkpoint_skipped", step=step, in_flight=previous.step, rank=self.rank)
-                self._coord.skip(step)  # the others give the step up at once instead of waiting for this rank
+                coord.skip(step)  # the others give the step up at once instead of waiting for this rank
                 return SaveHandle(step, SavePhase.SKIPPED)
             self._events.emit("checkpoint_waiting", step=step, in_flight=previous.step, rank=self.rank,
                               required=required)
@@ -191,14 +204,14 @@ class CheckpointManager:
                 # Its writer still reads the staging buffers: this save cannot stage into them.
                 self._events.emit("checkpoint_skipped", step=step, in_flight=previous.step, rank=self.rank,
                                   reason=f"the save in flight did not finish within {wait_s:.3g} s")
-                self._coord.skip(step)
+                coord.skip(step)
                 return SaveHandle(step, SavePhase.SKIPPED)
             if self._disk_full is not None:  # the save waited for ran out of space
                 raise DiskFullError(self._disk_full.message)
-        self._coord.unskip(step)  # a step this rank skipped before and saves now
+        coord.unskip(step)  # a step this rank skipped before and saves now
         started = time.monotonic()
         if self.config.async_mode == AsyncMode.DISABLED:
-            return self._save_streamed(step, state, extras, started)
+            return self._save_streamed(step, state, extras, started, coord)
         self._writer.start()  # no-op once running; (re)starts a dead one without waiting for it
         tensors, tree, local_tree, chunks = self._share(state)
         handle = SaveHandle(step)
@@ -218,7 +231,7 @@ class CheckpointManager:
         self._jobs.put(
             _Job(
                 handle=handle,
-                coord=self._coord,
+                coord=coord,
                 tree=tree,
                 local_tree=local_tree if self.config.local_keys else None,
                 chunks=chunks,
@@ -233,13 +246,14 @@ class CheckpointManager:
             handle.wait(self.config.timeout_s)
         return handle
 
-    def _save_streamed(self, step: int, state: dict[str, Any], extras: dict[str, Any], started: float) -> SaveHandle:
+    def _save_streamed(self, step: int, state: dict[str, Any], extras: dict[str, Any], started: float,
+                       coord: StoreCoordinator) -> SaveHandle:
         """A synchronous save: no staging copy, no writer process; the committer thread writes the live
         tensors a piece at a time while this thread waits (so nothing changes them meanwhile)."""
         tensors, tree, local_tree, chunks = self._share(state)
         handle = SaveHandle(step)
         self._inflight = handle
-        job = _Job(handle=handle, coord=self._coord, tree=tree,
+        job = _Job(handle=handle, coord=coord, tree=tree,
                    local_tree=local_tree if self.config.local_keys else None, chunks=chunks, extras=extras,
                    cuda_event=None, version=-1, nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
                    started=started, streamed=tensors)

@@ -7,6 +7,11 @@ maps the rank's staging buffers (memfds, through ``/proc/<pid>/fd``); for each
 save it writes the rank's shard with DCP, fsyncs, checksums the files and
 answers with their sizes and digests. If it dies, the save in flight fails and
 the next save starts a fresh writer.
+
+The writer dies with its rank (``PR_SET_PDEATHSIG``), which Linux ties to the
+*thread* that forked it: a writer forked by a thread that then ends (a save
+called from a short-lived thread) is SIGKILLed mid-write. So it is forked by a
+thread of its own that lives as long as the ``WriterProcess``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +45,7 @@ class WriterProcess:
         self._buf = b""
         self._sent_version = -1
         self.starts = 0
+        self._forker: ThreadPoolExecutor | None = None  # its one thread forks the writer (see the module's doc)
 
     def start(self) -> None:
         """Starts the process without waiting for its imports: they overlap with training."""
@@ -48,7 +55,10 @@ class WriterProcess:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self._proc = subprocess.Popen(
+        if self._forker is None:
+            self._forker = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-writer-fork-r{self._rank}")
+        self._proc = self._forker.submit(
+            subprocess.Popen,
             [sys.executable, "-c", f"from checkpointing.writer_process import _serve; _serve({self._rank})"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -56,7 +66,7 @@ class WriterProcess:
             close_fds=True,
             restore_signals=False,  # keep the rank's signal dispositions (an ignored SIGXFSZ gives EFBIG)
             preexec_fn=_die_with_parent,  # a writer outliving its rank could only fail to map the rank's buffers
-        )
+        ).result(timeout=60)
         self._buf = b""
         self._sent_version = -1
         self.starts += 1
@@ -91,14 +101,16 @@ class WriterProcess:
         return reply["files"]
 
     def close(self, timeout: float = 30.0) -> None:
-        if self._proc is None:
-            return
-        try:
-            self._send({"op": "exit"})
-            self._proc.wait(timeout)
-        except (BrokenPipeError, subprocess.TimeoutExpired):
-            pass
-        self._discard()
+        if self._proc is not None:
+            try:
+                self._send({"op": "exit"})
+                self._proc.wait(timeout)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                pass
+            self._discard()
+        if self._forker is not None:
+            self._forker.shutdown(wait=False)  # its thread ends now: the writer it forked is gone
+            self._forker = None
 
     def _send(self, msg: dict[str, Any]) -> None:
         assert self._proc is not None and self._proc.stdin is not None

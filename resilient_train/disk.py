@@ -94,11 +94,12 @@ class DiskCheckpoints:
         """The longest save so far, from its request to its commit (the preemption's grace covers two)."""
         return self._manager.longest_save_s
 
-    def save(self, state: TrainState, *, required: bool = False, wait_s: float | None = None) -> SaveHandle:
+    def save(self, state: TrainState, *, required: bool = False, wait_s: float | None = None,
+             tag: str | None = None) -> SaveHandle:
         """Saves the boundary ``state.step`` (the caller checked ``config.should_save``).
 
         ``required`` (the last step's save): never skipped for a save still in flight (waited for at most
-        ``wait_s``).
+        ``wait_s``); ``tag``: coordination keys of its own (``CheckpointManager.save``).
         """
         if self._store is not None:
             check_fence(self._store, "checkpoint")  # a lost node's rank writes nothing (resilient_train.fence)
@@ -108,7 +109,7 @@ class DiskCheckpoints:
             if monitors is not None:
                 extras[CHECKPOINT_EXTRAS_KEY] = monitors
         return self._manager.save(state.step, self._state_dict(state), extras=extras, required=required,
-                                  wait_s=wait_s)
+                                  wait_s=wait_s, tag=tag)
 
     def save_now(self, state: TrainState, *, deadline: float, exit_by: float) -> bool:
         """Saves ``state.step`` and waits for the commit (a preemption); True once committed.
@@ -116,7 +117,7 @@ class DiskCheckpoints:
         The save in flight, if any, and this one are waited for until ``deadline`` (monotonic); closing
         waits no later than ``exit_by``."""
         self._close_by = exit_by
-        handle = self.save(state, required=True, wait_s=max(0.0, deadline - time.monotonic()))
+        handle = self.save(state, required=True, wait_s=max(0.0, deadline - time.monotonic()), tag="preemption")
         try:
             return handle.wait(max(0.0, deadline - time.monotonic())) is SavePhase.COMMITTED
         except TimeoutError:  # still being written: it may yet commit, but this rank's grace is over

@@ -35,6 +35,16 @@ def console_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith(OMP_NOTICE)]
 
 
+def events_now(run_dir: Path) -> list[dict[str, Any]]:
+    """The events of ``run_dir`` written so far, read while the job may still write: only complete lines (a
+    line being appended can be read half-written; it is read whole at the next call)."""
+    path = Path(run_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
 @dataclass
 class Job:
     returncode: int
@@ -43,10 +53,7 @@ class Job:
     run_dir: Path
 
     def events(self) -> list[dict[str, Any]]:
-        path = self.run_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return events_now(self.run_dir)
 
     def of(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["event"] == name]
@@ -112,15 +119,12 @@ def wait_for_event(run_dir: Path, predicate: Any, *, timeout: float, proc: subpr
     import time
 
     deadline = time.monotonic() + timeout
-    path = run_dir / "events.jsonl"
     while time.monotonic() < deadline:
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    e = json.loads(line)
-                    if predicate(e):
-                        return e
-        if proc is not None and proc.poll() is not None:
+        ended = proc is not None and proc.poll() is not None  # before the read: a last event is not missed
+        for e in events_now(run_dir):
+            if predicate(e):
+                return e
+        if ended:
             raise AssertionError(f"the job ended (exit {proc.returncode}) before the event")
         time.sleep(interval)
     raise AssertionError(f"no such event in {timeout} s")

@@ -199,3 +199,72 @@ def test_a_step_one_rank_skips_is_given_up_by_the_others_at_once(tmp_path: Path)
     finally:
         m1.close(5)
         m0.close(5)
+
+
+def _two_managers(tmp_path: Path, events: EventLog) -> tuple[dist.TCPStore, CheckpointManager, CheckpointManager]:
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30))
+    config = CheckpointConfig(directory=tmp_path / "ck", in_flight="skip", local_keys=("rng",), timeout_s=60)
+    m0, m1 = (CheckpointManager(config, rank=r, world_size=2, events=events,
+                                store=dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                    timeout=timedelta(seconds=30))) for r in (0, 1))
+    return server, m0, m1
+
+
+def _both(save0, save1) -> list:
+    """Both ranks' calls at once (each may wait for the other's part of the save)."""
+    out: list = [None, None]
+    threads = [threading.Thread(target=lambda i=i, f=f: out.__setitem__(i, f()), name=f"rank{i}")
+               for i, f in enumerate((save0, save1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_required_save_of_the_step_just_saved_is_that_save_not_a_second_write(tmp_path: Path) -> None:
+    """A preemption stops the job at a step whose periodic save is in flight. The preemption's save of that
+    step waits for it and is it: one commit per rank, not a second save under the first one's store keys
+    (which reported rank 1 committed before rank 0 had the second save's files, and failed rank 0's commit:
+    the ranks disagreed on whether the preemption's checkpoint committed)."""
+    events = EventLog(tmp_path / "events.jsonl", source="test")
+    _, m0, m1 = _two_managers(tmp_path, events)
+    try:
+        periodic = _both(lambda: m0.save(5, rank_state(5, 0)), lambda: m1.save(5, rank_state(5, 1)))
+        again = _both(lambda: m0.save(5, rank_state(5, 0), required=True, wait_s=60, tag="preemption"),
+                      lambda: m1.save(5, rank_state(5, 1), required=True, wait_s=60, tag="preemption"))
+        assert again[0] is periodic[0] and again[1] is periodic[1]
+        assert [h.wait(60) for h in again] == [SavePhase.COMMITTED, SavePhase.COMMITTED]
+        committed = [(e["rank"], e["step"]) for e in read_events(tmp_path / "events.jsonl")
+                     if e["event"] == "checkpoint_committed"]
+        assert sorted(committed) == [(0, 5), (1, 5)]
+        state, _ = m1.load()
+        assert diff_states(state, rank_state(5, 1)) is None
+    finally:
+        m0.close(10)
+        m1.close(10)
+
+
+@pytest.mark.timeout(120)
+def test_a_step_whose_first_save_was_skipped_is_saved_again_under_its_own_keys(tmp_path: Path) -> None:
+    """Rank 0 skips step 2 (step 1 still in flight) while rank 1 saves it, which fails at once; then both
+    save step 2 again (a preemption's: required, tagged). The second save must not read the first's keys
+    (rank 0's skip marker, rank 1's report of the first save): both ranks commit it, with their state."""
+    events = EventLog(tmp_path / "events.jsonl", source="test")
+    _, m0, m1 = _two_managers(tmp_path, events)
+    try:
+        first = m0.save(1, rank_state(1, 0))  # in flight until rank 1 saves step 1
+        assert m0.save(2, rank_state(2, 0)).phase == SavePhase.SKIPPED
+        assert m1.save(2, rank_state(2, 1)).wait(60) == SavePhase.FAILED
+        assert m1.save(1, rank_state(1, 1)).wait(60) == SavePhase.COMMITTED and first.wait(60) == SavePhase.COMMITTED
+        again = _both(lambda: m0.save(2, rank_state(2, 0), required=True, wait_s=60, tag="preemption"),
+                      lambda: m1.save(2, rank_state(2, 1), required=True, wait_s=60, tag="preemption"))
+        assert [h.wait(60) for h in again] == [SavePhase.COMMITTED, SavePhase.COMMITTED]
+        for m, r in ((m0, 0), (m1, 1)):
+            state, manifest = m.load()
+            assert manifest.step == 2 and diff_states(state, rank_state(2, r)) is None
+    finally:
+        m0.close(10)
+        m1.close(10)

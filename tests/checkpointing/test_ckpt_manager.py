@@ -175,3 +175,23 @@ def test_a_synchronous_save_streams_pieces_from_the_live_tensors_with_no_writer_
     finally:
         for m in managers:
             m.close(60)
+
+
+@pytest.mark.timeout(120)
+def test_a_save_from_a_thread_that_ends_keeps_its_writer(tmp_path: Path) -> None:
+    """The writer dies with its rank (PR_SET_PDEATHSIG), which Linux ties to the thread that forked it. A save
+    requested from a thread that then ends must keep the writer it started: it was SIGKILLed with the
+    thread (a save already writing failed, "writer of rank 0 died (exit code -9)"; otherwise the committer
+    started a second one, an interpreter's start later)."""
+    with CheckpointManager(CheckpointConfig(directory=tmp_path / "ck")) as mgr:
+        handles: list = []
+        caller = threading.Thread(target=lambda: handles.append((mgr.save(1, make_state(1)), mgr.writer_pid)),
+                                  name="short-lived")
+        caller.start()
+        caller.join(60)
+        assert not caller.is_alive()
+        handle, writer = handles[0]
+        assert handle.wait(60) == SavePhase.COMMITTED, handle.error
+        assert mgr.writer_pid == writer  # the same process wrote it
+        state, manifest = mgr.load()
+    assert manifest.step == 1 and diff_states(state, make_state(1)) is None

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs import REPO, Job, cli, free_port
+from jobs import REPO, Job, cli, events_now, free_port
 
 HERE = Path(__file__).resolve().parent / "dropin"
 NANOGPT = HERE / "nanogpt_like.py"
@@ -75,8 +75,7 @@ def _kill_paused_rank(proc: subprocess.Popen, out: Path, run_dir: Path, rank: in
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the script never paused"
         time.sleep(0.05)
-    pids = [e["pid"] for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
-            if e.get("event") == "worker_spawned" and e.get("rank") == rank]
+    pids = [e["pid"] for e in events_now(run_dir) if e.get("event") == "worker_spawned" and e.get("rank") == rank]
     os.kill(pids[0], signal.SIGKILL)
     return pids[0]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import REPO, Job, start_gpt, wait_for_event
+from jobs import REPO, Job, events_now, start_gpt, wait_for_event
 
 LOOP = Path(__file__).resolve().parent / "dropin" / "allreduce_loop.py"
 
@@ -26,8 +25,7 @@ def _alive(pid: int) -> bool:
 
 
 def _worker_pids(run_dir: Path) -> list[int]:
-    return [e["pid"] for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
-            if e.get("event") == "worker_spawned"]
+    return [e["pid"] for e in events_now(run_dir) if e.get("event") == "worker_spawned"]
 
 
 def _finish(proc: subprocess.Popen, run_dir: Path) -> Job:
@@ -88,7 +86,7 @@ def test_sigterm_to_chaos_run_takes_its_job_down(tmp_path):
         while not runs:  # a job under test is running (the reference or the faulted one)
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             runs = [p.parent for p in out.rglob("events.jsonl")
-                    if any(json.loads(x).get("event") == "worker_spawned" for x in p.read_text().splitlines() if x)]
+                    if any(e.get("event") == "worker_spawned" for e in events_now(p.parent))]
             time.sleep(0.1)
         pids = _worker_pids(runs[0])
         proc.send_signal(signal.SIGTERM)

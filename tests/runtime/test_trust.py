@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from jobs import REPO, ckpt_diff, free_port, run_gpt, start_gpt, wait_for_event
+from jobs import REPO, ckpt_diff, events_now, free_port, run_gpt, start_gpt, wait_for_event
 
 STEPS = 40
 
@@ -58,8 +58,7 @@ def test_a_stranger_writing_to_the_store_changes_nothing(tmp_path, references):
         start = wait_for_event(run, lambda e: e["event"] == "agent_start", timeout=60, proc=proc)
         wait_for_event(run, lambda e: e["event"] == "step_done" and e["step"] >= 2, timeout=120, proc=proc)
         # Everything the job's processes listen on is loopback.
-        pids = {proc.pid} | {e["pid"] for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
-                             if e["event"] == "worker_spawned"}
+        pids = {proc.pid} | {e["pid"] for e in events_now(run) if e["event"] == "worker_spawned"}
         listening = _listening(pids)
         assert listening and all(_is_loopback(a) for a in listening), listening
         # A stranger who knows the port (from agent_start) but not the job's token.
