@@ -44,6 +44,7 @@ from enum import Enum
 from typing import IO, Callable
 
 from resilient_train import env as E
+from resilient_train import fdlimit
 from resilient_train.entry import Entry
 from resilient_train.spare import BOOT, READY
 
@@ -65,7 +66,9 @@ def spare_env(worker_env: dict[str, str]) -> dict[str, str]:
 
 
 def die_with_parent() -> None:
-    # Workers and spares must not outlive the agent (PR_SET_PDEATHSIG = 1).
+    """In a worker or spare before its exec: it dies with the agent (PR_SET_PDEATHSIG = 1) and gets the
+    open-file limit the agent was started with (resilient_train.fdlimit)."""
+    fdlimit.restore_in_child()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     except OSError:

@@ -358,6 +358,8 @@ class Agent:
         c = self.config
         if self.workers.omp_default:
             self._say("OMP_NUM_THREADS is set to 1 for each worker, as torchrun does (set it to tune)")
+        if self.host.fd_warning is not None:
+            self._say(self.host.fd_warning)
         if c.monitor.hang.enabled and not self.entry.mentions_runtime():
             self._say(f"hang detection is off for {Path(self.entry.target).name}: its ranks report no progress "
                       "(call resilient_train.heartbeat() once a step to turn it on)")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from resilient_train import env as E
+from resilient_train import fdlimit
 from resilient_train.agent.boundedstore import BoundedStore, call_timeout_s
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.state import AgentError
@@ -41,7 +42,9 @@ class StoreHost:
         self.attempt = 0
         self.token, self.token_source = job_token(config)
         self._server: dist.Store | None = None  # the server (hosting) or this agent's first client connection
+        self.fd_warning: str | None = None  # the open-file limit is short of the job's connections (fdlimit)
         if self.hosting:
+            self.fd_warning = fdlimit.raise_for_store(config.nnodes * config.nproc_per_node)
             self.store = self._host(config.master_port)
             self.port: int = self._server.port  # type: ignore[union-attr]  (every attempt keeps it)
         else:
