@@ -16,6 +16,7 @@ child before its exec.
 from __future__ import annotations
 
 import resource
+from pathlib import Path
 
 __all__ = ["CONNECTIONS_PER_RANK", "raise_for_store", "restore_in_child"]
 
@@ -50,7 +51,7 @@ def raise_for_store(world_size: int) -> str | None:
 def _nr_open() -> int:
     """The kernel's ceiling on a process's descriptors (an unlimited hard limit cannot be set as the soft one)."""
     try:
-        return int(open("/proc/sys/fs/nr_open").read())
+        return int(Path("/proc/sys/fs/nr_open").read_text())
     except (OSError, ValueError):
         return 1 << 20
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from monitors.events import read_events
+
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "train_gpt.py"
 DDP_EXAMPLE = REPO / "examples" / "train_ddp.py"
@@ -36,13 +38,10 @@ def console_lines(stderr: str) -> list[str]:
 
 
 def events_now(run_dir: Path) -> list[dict[str, Any]]:
-    """The events of ``run_dir`` written so far, read while the job may still write: only complete lines (a
-    line being appended can be read half-written; it is read whole at the next call)."""
-    path = Path(run_dir) / "events.jsonl"
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+    """The events of ``run_dir`` written so far, read while the job may still write: the project's own reader,
+    which skips a line still being appended (read whole at the next call). A job that ended is read strictly
+    (:meth:`Job.events`)."""
+    return list(read_events(run_dir))
 
 
 @dataclass
@@ -53,7 +52,10 @@ class Job:
     run_dir: Path
 
     def events(self) -> list[dict[str, Any]]:
-        return events_now(self.run_dir)
+        path = self.run_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def of(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["event"] == name]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import Job, ckpt_diff, run_gpt, start_gpt, wait_for_event
+from jobs import Job, ckpt_diff, events_now, run_gpt, start_gpt, wait_for_event
 
 STEPS = 30
 REQUEUE = 75
@@ -166,7 +166,7 @@ def test_sigterm_to_the_agent_right_after_a_rank_is_killed_ends_in_75_and_resume
     extra = ["--ckpt-every", "5"]
 
     def kill_rank1() -> None:
-        rank1 = [e for e in Job(0, "", "", run_dir).of("run_start") if e["rank"] == 1][-1]
+        rank1 = [e for e in events_now(run_dir) if e["event"] == "run_start" and e["rank"] == 1][-1]
         os.kill(rank1["pid"], signal.SIGKILL)
 
     first, signalled = _preempted_job(run_dir, nproc=2, steps=STEPS, extra=extra, env={}, agent_args=[],
