@@ -139,6 +139,11 @@ def test_forced_reduction_at_one_rank_runs_the_collectives_and_keeps_the_gradien
         assert votes == [1.0] and reducer.copied_buckets == 0
         assert torch.equal(_grads(model), _grads(reference))
     finally:
+        # gloo's worker thread runs each reduction's Python callback and then drops it, which takes the GIL.
+        # The group's destructor (at the DDP's release, below) joins that thread while holding the GIL: a
+        # callback still being dropped deadlocked the test (seen once in CI, stack in the commit). The worker
+        # runs its queue in order, so once this barrier is done nothing of the reductions is left to drop.
+        dist.barrier()
         dist.destroy_process_group()
 
 
