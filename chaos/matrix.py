@@ -66,7 +66,7 @@ class MatrixConfig:
     invariants: Invariants = field(default_factory=lambda: Invariants(
         detect_timeout_s=35.0, recover_timeout_s=90.0, max_steps_redone=1))
     monitor: dict[str, Any] = field(default_factory=lambda: {
-        "hang": {"default_timeout_s": 10.0, "long_section_timeout_s": 30.0},
+        "hang": {"idle_timeout_s": 10.0, "busy_timeout_s": 10.0, "long_section_timeout_s": 30.0},
         "metrics": {"prometheus": False, "tensorboard": False},
     })
 

@@ -6,7 +6,7 @@
       args: [--d-model, "32", --layers, "2"]
       ranks: 2
       steps: 24                               # passed as `--steps 24` (steps_arg; null: not passed)
-      monitor: {hang: {default_timeout_s: 5}} # monitors.MonitorConfig, for `run --monitor-config`
+      monitor: {hang: {idle_timeout_s: 5}} # monitors.MonitorConfig, for `run --monitor-config`
     schedule:
       faults:                                 # a fixed list ...
         - {kind: kill, rank: 0, step: 6, phase: backward}

@@ -22,9 +22,12 @@ __all__ = [
     "NoCheckpointError",
     "SaveHandle",
     "SavePhase",
+    "StorageError",
+    "UnwritableError",
     "diff_states",
     "is_disk_full",
     "read_state",
+    "storage_fault",
     "verify_checkpoint",
     "write_state",
 ]
@@ -36,6 +39,9 @@ _LAZY = {
     "EXIT_DISK_FULL": "checkpointing.errors",
     "DiskFullError": "checkpointing.errors",
     "is_disk_full": "checkpointing.errors",
+    "StorageError": "checkpointing.errors",
+    "UnwritableError": "checkpointing.errors",
+    "storage_fault": "checkpointing.errors",
     "SaveHandle": "checkpointing.lifecycle",
     "SavePhase": "checkpointing.lifecycle",
     "CheckpointManager": "checkpointing.manager",
@@ -49,7 +55,8 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from checkpointing.diff import diff_states
-    from checkpointing.errors import EXIT_DISK_FULL, DiskFullError, is_disk_full
+    from checkpointing.errors import (EXIT_DISK_FULL, DiskFullError, StorageError, UnwritableError, is_disk_full,
+                                      storage_fault)
     from checkpointing.lifecycle import SaveHandle, SavePhase
     from checkpointing.manager import CheckpointManager, NoCheckpointError
     from checkpointing.manifest import CheckpointError, Manifest, verify_checkpoint

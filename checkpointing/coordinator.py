@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 __all__ = ["POLL_S", "Cancelled", "Report", "SaveCancelled", "StoreCoordinator"]
 
-Report = dict[str, Any]  # {"files": {...}, "local_tree": {...}} or {"error": "...", "disk_full": bool}
+Report = dict[str, Any]  # {"files": {...}, "local_tree": {...}} or {"error": "...", "storage": kind or None}
 Cancelled = Union[Callable[[], bool], threading.Event]
 POLL_S = 0.1  # how often a wait on other ranks asks whether the save was cancelled
 
@@ -142,10 +142,10 @@ class StoreCoordinator:
         self._wait(self._key(step, "all"), timeout, what)
         return {r: json.loads(self._store.get(self._key(step, f"rank/{r}"))) for r in range(self._world)}
 
-    def announce(self, step: int, *, ok: bool, reason: str | None = None, disk_full: bool = False) -> None:
+    def announce(self, step: int, *, ok: bool, reason: str | None = None, storage: str | None = None) -> None:
         if self._store is None:
             return
-        self._store.set(self._key(step, "outcome"), json.dumps({"ok": ok, "reason": reason, "disk_full": disk_full}))
+        self._store.set(self._key(step, "outcome"), json.dumps({"ok": ok, "reason": reason, "storage": storage}))
 
     def outcome(self, step: int, timeout: float) -> dict[str, Any]:
         """Other ranks: rank 0's verdict on the step; ``TimeoutError`` when none came."""

@@ -44,7 +44,7 @@ from checkpointing.commit import TMP_SUFFIX, commit_checkpoint
 from checkpointing.config import AsyncMode, CheckpointConfig, InFlightPolicy
 from checkpointing.coordinator import Cancelled, SaveCancelled, StoreCoordinator
 from checkpointing.durable import remove_tree
-from checkpointing.errors import DiskFullError, disk_full_error, is_disk_full
+from checkpointing.errors import FULL, DiskFullError, StorageError, disk_full_error, storage_error, storage_fault
 from checkpointing.lifecycle import MANAGER_MOVES, ManagerState, SaveHandle, SavePhase, check_move
 from checkpointing.manifest import MANIFEST_FILE, CheckpointError, Manifest, verify_checkpoint
 from checkpointing.retention import RetentionWorker, remove_leftovers
@@ -64,9 +64,9 @@ class NoCheckpointError(FileNotFoundError):
 
 
 class _RanksFailed(OSError):
-    def __init__(self, reason: str, disk_full: bool) -> None:
+    def __init__(self, reason: str, storage: str | None) -> None:
         super().__init__(reason)
-        self.disk_full = disk_full
+        self.storage = storage  # checkpointing.errors' kind of storage fault, if any rank's was one
 
 
 @dataclass(kw_only=True)
@@ -125,7 +125,7 @@ class CheckpointManager:
         self._inflight: SaveHandle | None = None
         self._last_committed: int | None = None
         self.longest_save_s = 0.0  # the longest save of this manager, from its request to its commit
-        self._disk_full: DiskFullError | None = None
+        self._storage: StorageError | None = None  # a save failed for the storage: every later save raises it
         if rank == 0:  # one job per directory (the agent's run-directory lock): nobody else is mid-save
             removed = remove_leftovers(self.root)
             if removed:
@@ -149,7 +149,12 @@ class CheckpointManager:
     @property
     def disk_full(self) -> DiskFullError | None:
         """Set once a save failed because the disk is full (on every rank: rank 0's verdict says so)."""
-        return self._disk_full
+        return self._storage if isinstance(self._storage, DiskFullError) else None
+
+    @property
+    def storage_error(self) -> StorageError | None:
+        """Set once a save failed for the storage (full, read-only, failing I/O): checkpointing cannot go on."""
+        return self._storage
 
     def save(
         self, step: int, state: dict[str, Any], *, extras: dict[str, Any] | None = None, blocking: bool = False,
@@ -164,12 +169,11 @@ class CheckpointManager:
         returns its handle once it commits, rather than write the step twice. ``tag``: the save's
         coordination keys are its own (:meth:`StoreCoordinator.tagged`), for a save every rank requests
         once (a preemption's) of a step that may have been saved, skipped or failed already.
-        Raises :class:`DiskFullError` once a save failed for a full disk: checkpointing cannot go on,
-        and restarting ranks does not help.
+        Raises :class:`DiskFullError` once a save failed for a full disk (:class:`UnwritableError` for a
+        read-only or failing one): checkpointing cannot go on, and restarting ranks does not help.
         """
         self._check_open()
-        if self._disk_full is not None:
-            raise DiskFullError(self._disk_full.message)
+        self._raise_storage()
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
         if not isinstance(state, dict):
@@ -206,8 +210,7 @@ class CheckpointManager:
                                   reason=f"the save in flight did not finish within {wait_s:.3g} s")
                 coord.skip(step)
                 return SaveHandle(step, SavePhase.SKIPPED)
-            if self._disk_full is not None:  # the save waited for ran out of space
-                raise DiskFullError(self._disk_full.message)
+            self._raise_storage()  # the save waited for ran out of space, or found its storage read-only
         coord.unskip(step)  # a step this rank skipped before and saves now
         started = time.monotonic()
         if self.config.async_mode == AsyncMode.DISABLED:
@@ -433,14 +436,14 @@ class CheckpointManager:
                 )
             report = {"files": files, "writers": writers, "local_tree": job.local_tree}
         except Exception as e:
-            report = {"error": f"rank {self.rank}: {e}", "disk_full": is_disk_full(e)}
+            report = {"error": f"rank {self.rank}: {e}", "storage": storage_fault(e)}
         finally:
             job.streamed = None  # the live tensors are not held past the write
             job.written.set()
         coord.report(step, report)
         testhooks.crash_point("reported", step=step, rank=self.rank)
         if "error" in report and self.rank != 0:
-            self._fail(h, report["error"], disk_full=report["disk_full"])
+            self._fail(h, report["error"], storage=report["storage"])
             return
         h.move(SavePhase.COMMITTING)
         if self.rank != 0:
@@ -452,7 +455,7 @@ class CheckpointManager:
             if verdict["ok"]:
                 self._committed(h, job)
             else:
-                self._fail(h, verdict["reason"], disk_full=bool(verdict.get("disk_full")))
+                self._fail(h, verdict["reason"], storage=verdict.get("storage"))
             return
         try:
             reports = coord.gather(step, timeout)
@@ -465,7 +468,8 @@ class CheckpointManager:
         failed = [r for r in reports.values() if "error" in r]
         try:
             if failed:
-                raise _RanksFailed("; ".join(r["error"] for r in failed), any(r.get("disk_full") for r in failed))
+                kinds = {r.get("storage") for r in failed} - {None}
+                raise _RanksFailed("; ".join(r["error"] for r in failed), FULL if FULL in kinds else next(iter(kinds), None))
             commit_checkpoint(
                 tmp_dir,
                 final,
@@ -480,14 +484,14 @@ class CheckpointManager:
             write_latest(self.root, step)
             testhooks.crash_point("latest", step=step, rank=self.rank)
         except Exception as e:
-            full = e.disk_full if isinstance(e, _RanksFailed) else is_disk_full(e)
+            kind = e.storage if isinstance(e, _RanksFailed) else storage_fault(e)
             reason = str(e)
-            if full and not isinstance(e, _RanksFailed):  # e.g. ENOSPC writing the manifest
+            if kind == FULL and not isinstance(e, _RanksFailed):  # e.g. ENOSPC writing the manifest
                 reason = str(disk_full_error(self.root, e, what=f"committing step {step}") or e)
             if not final.exists():
                 remove_tree(tmp_dir)
-            coord.announce(step, ok=False, reason=reason, disk_full=full)
-            self._fail(h, reason, disk_full=full)
+            coord.announce(step, ok=False, reason=reason, storage=kind)
+            self._fail(h, reason, storage=kind)
             return
         coord.announce(step, ok=True)
         self._committed(h, job)
@@ -507,15 +511,23 @@ class CheckpointManager:
         )
         h.move(SavePhase.COMMITTED)
 
-    def _fail(self, h: SaveHandle, reason: str, *, disk_full: bool = False) -> None:
-        if disk_full and self._disk_full is None:
+    def _fail(self, h: SaveHandle, reason: str, *, storage: str | None = None) -> None:
+        if storage is not None and self._storage is None:
             # Set before the handle ends: a caller woken by it must find it.
-            self._disk_full = DiskFullError(f"checkpoint step {h.step} under {self.root}: {reason}")
-            self._notice(f"checkpoint step {h.step} failed: {reason}")
-        h.disk_full = disk_full
+            self._storage = storage_error(storage, f"checkpoint step {h.step} under {self.root}: {reason}")
+        h.disk_full = storage == FULL
+        # Every failed save is said, not only logged: the next interval may fail the same way.
+        self._notice(f"checkpoint step {h.step} failed: {reason}" + (
+            "; checkpointing cannot go on: the job stops" if storage is not None else
+            "; the next one is tried at its interval"))
         # The event first: a caller woken by the handle must find it in the log.
-        self._events.emit("checkpoint_failed", step=h.step, rank=self.rank, reason=reason, disk_full=disk_full)
+        self._events.emit("checkpoint_failed", step=h.step, rank=self.rank, reason=reason, disk_full=storage == FULL,
+                          storage=storage)
         h.move(SavePhase.FAILED, error=reason)
+
+    def _raise_storage(self) -> None:
+        if self._storage is not None:
+            raise type(self._storage)(self._storage.message)
 
     def _check_open(self) -> None:
         if self._state != ManagerState.OPEN:

@@ -23,7 +23,7 @@ import torch
 from checkpointing.commit import TMP_SUFFIX, commit_checkpoint, describe_files
 from checkpointing.dcp_io import read_tensors, write_shard
 from checkpointing.durable import remove_tree
-from checkpointing.errors import DiskFullError, disk_full_error
+from checkpointing.errors import storage_error_for
 from checkpointing.manifest import Manifest, verify_checkpoint
 from checkpointing.tree import flatten_state, skeleton_keys, unflatten_state
 
@@ -92,9 +92,9 @@ def write_state(
         )
     except BaseException as e:
         remove_tree(tmp)
-        full = disk_full_error(final.parent, e, what=f"writing {final}") if isinstance(e, OSError) else None
-        if full is not None and not isinstance(e, DiskFullError):
-            raise full from None  # e.g. ENOSPC writing the manifest: name the directory
+        fault = storage_error_for(final.parent, e, what=f"writing {final}") if isinstance(e, OSError) else None
+        if fault is not None and fault is not e:
+            raise fault from None  # e.g. ENOSPC writing the manifest, EROFS: name the directory
         raise
     return final
 

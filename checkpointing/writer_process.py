@@ -12,6 +12,11 @@ The writer dies with its rank (``PR_SET_PDEATHSIG``), which Linux ties to the
 *thread* that forked it: a writer forked by a thread that then ends (a save
 called from a short-lived thread) is SIGKILLed mid-write. So it is forked by a
 thread of its own that lives as long as the ``WriterProcess``.
+
+It ignores the signals that ask a job to stop (checkpointing.stopsignals): Ctrl-C,
+``timeout``, ``kill -TERM -PGID`` and Slurm's ``--signal`` reach every process
+of the job, this one too, and its rank's stop is exactly when its write must
+finish (a preemption's checkpoint). It ends when its rank says so, or with it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from checkpointing.errors import DiskFullError
+from checkpointing.errors import storage_error
+from checkpointing.stopsignals import ignore_stop_signals
 from checkpointing.shards import Chunk
 
 __all__ = ["WriterDied", "WriterProcess"]
@@ -97,7 +103,7 @@ class WriterProcess:
             raise WriterDied(f"checkpoint writer of rank {self._rank} died (exit code {code}) writing step {step}") from None
         assert reply["step"] == step, (reply, step)
         if "error" in reply:
-            raise DiskFullError(reply["error"]) if reply.get("disk_full") else OSError(reply["error"])
+            raise storage_error(reply["storage"], reply["error"]) if reply.get("storage") else OSError(reply["error"])
         return reply["files"]
 
     def close(self, timeout: float = 30.0) -> None:
@@ -176,6 +182,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     except OSError:
         pass
+    ignore_stop_signals()
 
 
 def _serve(rank: int) -> None:
@@ -184,7 +191,7 @@ def _serve(rank: int) -> None:
     from checkpointing import testhooks
     from checkpointing.commit import describe_files
     from checkpointing.dcp_io import write_shard
-    from checkpointing.errors import is_disk_full
+    from checkpointing.errors import FULL, storage_fault
     from checkpointing.staging import map_buffer
 
     torch.set_num_threads(1)
@@ -210,8 +217,8 @@ def _serve(rank: int) -> None:
             testhooks.crash_point("written", step=step, rank=rank)
             reply: dict[str, Any] = {"step": step, "files": files}
         except Exception as e:  # reported to the rank, which fails the save and goes on
-            full = is_disk_full(e)
-            reply = {"step": step, "error": str(e) if full else f"{type(e).__name__}: {e}", "disk_full": full}
+            kind = storage_fault(e)
+            reply = {"step": step, "error": str(e) if kind == FULL else f"{type(e).__name__}: {e}", "storage": kind}
         out.write(json.dumps(reply).encode() + b"\n")
         out.flush()
 

@@ -30,6 +30,7 @@ class EventLog:
         self.path = Path(path) if path is not None else None
         self.source = source
         self._warned = False  # a failed write was told on stderr
+        self._torn = False  # the last write stopped mid-line (a full disk): the next one ends that line first
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -38,9 +39,10 @@ class EventLog:
         the log must not take down the party reporting the trouble."""
         record = {"time": time.time(), "event": event, "source": self.source, **fields}
         if self.path is not None:
-            line = json.dumps(record, sort_keys=False, default=str) + "\n"
+            line = ("\n" if self._torn else "") + json.dumps(record, sort_keys=False, default=str) + "\n"
+            data = line.encode()
             try:
-                append_bytes(self.path, line.encode())
+                self._torn = append_bytes(self.path, data) < len(data)
             except OSError as e:
                 if not self._warned:
                     self._warned = True

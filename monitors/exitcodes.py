@@ -17,6 +17,9 @@ code   meaning
        decides it from the ranks' records (resilient_train.shutdown)
 28     stopped: the disk is full (a checkpoint or the final state could not be
        written; restarting would fail the same way)
+74     stopped: the run directory cannot be written (its filesystem was
+       remounted read-only, fails with I/O errors, or the directory was
+       removed or replaced while the job ran); EX_IOERR
 93     stopped, do not requeue: a bug (an exception that reproduced on its
        replay, or a plain script's same crash in two attempts in a row with
        no progress between), a misuse of the runtime
@@ -34,7 +37,8 @@ code   meaning
 
 from __future__ import annotations
 
-__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "FENCED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
+__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "FENCED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "STORAGE",
+           "VALIDATION_FAILED"]
 
 OK = 0
 FAILED = 1
@@ -42,6 +46,7 @@ BAD_INPUT = 2
 RERUN_ELSEWHERE = 16
 VALIDATION_FAILED = 17
 DISK_FULL = 28  # ENOSPC's number on Linux
+STORAGE = 74  # EX_IOERR: the run directory is read-only, failing or gone
 STOPPED = 93
 FENCED = 94  # this node was declared lost and fenced out; the job went on without it
 REQUEUE = 75  # EX_TEMPFAIL: preempted, resume by starting again

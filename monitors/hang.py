@@ -1,29 +1,48 @@
-"""Hang detection from progress slots: which rank has made no progress for too long.
+"""Hang detection from progress slots and evidence: a slow step is not a hang.
 
-The node agent calls ``HangDetector.poll(now)`` from its monitor loop. A rank is
-hung when the time since its main thread last entered a section exceeds that
-section's timeout. Timeouts are, in order of precedence:
+The node agent calls ``HangDetector.poll(now)`` from its monitor loop. A rank
+that has made no progress (its main thread entered no section) for a while is
+looked at more closely (:mod:`monitors.activity`: its process state and the
+CPU its processes use), and judged by what it does:
 
-1. explicit, per section (``HangConfig.timeouts_s``);
-2. ``startup_timeout_s`` before a rank's first progress and in "startup";
-   ``long_section_timeout_s`` in "load", "checkpoint" and "recovery";
-3. computed: the largest duration any rank has shown for the section, times
-   ``safety_factor`` (at least ``min_timeout_s``, at most the longest timeout the
-   configuration grants: ``HangConfig.longest_timeout_s``), once the section has
-   been seen ``min_observations`` times across ranks; in a rank's first step of a
-   generation (its slot says so), at least ``default_timeout_s``: a
-   replacement's first step runs on cold caches and a survivor's first
-   collective waits for peers still healing;
-4. ``default_timeout_s`` otherwise.
+* **stopped** (SIGSTOP, a debugger) while the agent itself runs: hung after
+  ``stopped_timeout_s`` (5 s). A stopped process cannot be working.
+* **idle**: outside a collective, its processes (every thread, and its
+  children such as DataLoader workers) used no CPU: hung after
+  ``idle_timeout_s`` (60 s) or the section's computed timeout, whichever is
+  longer (a deadlock, an I/O that never returns);
+* **busy**: it computes (an evaluation inside the step, a long first step,
+  logging): hung only after ``busy_timeout_s`` (30 min) or the computed
+  timeout, whichever is longer (a livelock);
+* **waiting** in a collective: it waits on peers. On a local peer outside
+  the collective: never blamed (the peer is judged). On none here (the
+  culprit is on another node, whose agent judges it, or the group broke, which
+  the group's own timeout ends): hung only after the busy limit. A rank that
+  shows a collective while a local peer of its generation is at a later step
+  is not in it any more (its collective completed for that peer): it is
+  judged by its own evidence; so is one in a collective of an earlier
+  generation than a local peer's (its peers left that generation).
 
-The names without ``_s`` (``min_timeout``, ``timeouts``, ...) still work for one release, with a
-``DeprecationWarning``.
+Timeouts of the sections outside steps: ``startup_timeout_s`` before a rank's
+first progress and in "startup"; ``long_section_timeout_s`` in "load",
+"checkpoint" and "recovery". ``timeouts_s`` fixes a section's timeout (any
+evidence but "stopped"). The computed timeout of a section is the largest
+duration any rank has shown for it, times ``safety_factor``, once the section
+has been seen ``min_observations`` times across ranks (at most the longest
+timeout the configuration grants, ``HangConfig.longest_timeout_s``). Every
+completed section counts, long ones and first steps of a generation included;
+a section cut short by a fault does not (monitors.progress).
 
-A rank in a collective is timed from the moment the last of its local peers
-in that generation entered one, not from its own entry: it cannot be blamed
-for the time a slower peer took to arrive (the peer, outside the collective,
-is the one timed meanwhile). When every hung rank waits in a collective, a
-stopped process (SIGSTOP) among them is the culprit.
+A pause of the agent itself (its clock jumped between two looks: the whole job
+was stopped and continued, a suspended Slurm job, a frozen VM) is never charged
+to the ranks: :meth:`HangDetector.paused` starts every clock again.
+
+The old names (``min_timeout_s``, ``default_timeout_s``, and the ones without
+``_s``) still work for one release, with a ``DeprecationWarning``: both are now
+``idle_timeout_s``, the floor of a computed timeout.
+
+A rank in a collective is timed from the moment the last of its local peers in
+that generation entered one, not from its own entry.
 
 Only ranks that report progress are watched: a rank with no slot (a plain
 torchrun script that neither uses the Supervisor nor calls
@@ -35,7 +54,8 @@ The observed maxima are merged across ranks and across respawns, and export to
 plain JSON data (``state_dict``) so a checkpoint can carry them. Loading such
 data back (``load_state_dict``) checks every number first: a forged checkpoint
 saying every section once took 1e308 s would otherwise switch hang detection
-off (docs/security.md).
+off (docs/security.md). Merging keeps the larger maximum: a timeout learned
+from a checkpoint never shrinks below what this job has seen.
 """
 
 from __future__ import annotations
@@ -43,19 +63,20 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Iterable
 
+from monitors.activity import PROBE_AFTER_S, Activity, RankActivity, idle_for
 from monitors.configfile import MAX_COUNT, MAX_SECONDS, kind, require_bool, require_int, require_number, require_strs
 from monitors.configtree import renamed
 from monitors.progress import ProgressReader, ProgressSnapshot
 from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS, Section
-from monitors.stacks import is_stopped
 
 RECOVERY = Section.RECOVERY.value
 STARTUP = Section.STARTUP.value
 LOAD = Section.LOAD.value
 
-__all__ = ["Hang", "HangConfig", "HangDetector", "ranks_to_kill"]
+__all__ = ["Evidence", "Hang", "HangConfig", "HangDetector", "ranks_to_kill"]
 
 IMPOSSIBLE_READS_BEFORE_JUDGING = 20  # about a second of the agent's polls
 MAX_SAFETY_FACTOR = 100.0
@@ -64,18 +85,20 @@ MAX_SAFETY_FACTOR = 100.0
 OBSERVED_SLACK = 2.0
 
 
-@renamed(timeouts="timeouts_s", min_timeout="min_timeout_s", default_timeout="default_timeout_s",
+@renamed(timeouts="timeouts_s", min_timeout="idle_timeout_s", default_timeout="idle_timeout_s",
+         min_timeout_s="idle_timeout_s", default_timeout_s="idle_timeout_s",
          startup_timeout="startup_timeout_s", long_section_timeout="long_section_timeout_s",
          longest_timeout="longest_timeout_s")
 @dataclass(kw_only=True)
 class HangConfig:
     enabled: bool = True  # off: no rank is ever taken for hung
     timeouts_s: dict[str, float] = field(default_factory=dict)  # per section, seconds: fixed, never computed
-    computed: bool = True  # timeouts computed from the durations observed (else the defaults below)
+    computed: bool = True  # timeouts computed from the durations observed (else the floors below)
     safety_factor: float = 5.0  # a computed timeout: this times the longest duration seen for the section
     min_observations: int = 10  # times a section is seen, across ranks, before its timeout is computed
-    min_timeout_s: float = 3.0  # a floor: a loaded host may deschedule a healthy rank for a while
-    default_timeout_s: float = 60.0  # a section not yet computed, and every rank's first step of a generation
+    stopped_timeout_s: float = 5.0  # a rank stopped (SIGSTOP, a debugger) while its agent runs
+    idle_timeout_s: float = 60.0  # a rank whose processes use no CPU (a deadlock, a lost I/O), at least
+    busy_timeout_s: float = 1800.0  # a rank that computes (an evaluation, a long step) or waits on other nodes, at least
     startup_timeout_s: float = 300.0  # before a rank's first progress, and in "startup"
     long_section_timeout_s: float = 600.0  # in "load", "checkpoint" and "recovery"
     collective_sections: tuple[str, ...] = tuple(sorted(COLLECTIVE_SECTIONS))  # a rank in these waits on peers
@@ -90,7 +113,8 @@ class HangConfig:
             raise ValueError(f"hang.timeouts_s: unknown sections {unknown}; expected some of {list(SECTIONS)}")
         for section, t in self.timeouts_s.items():
             require_number(t, f"hang.timeouts_s.{section}", above=0, high=MAX_SECONDS)
-        for name in ("min_timeout_s", "default_timeout_s", "startup_timeout_s", "long_section_timeout_s"):
+        for name in ("stopped_timeout_s", "idle_timeout_s", "busy_timeout_s", "startup_timeout_s",
+                     "long_section_timeout_s"):
             require_number(getattr(self, name), f"hang.{name}", above=0, high=MAX_SECONDS)
         require_number(self.safety_factor, "hang.safety_factor", above=0, high=MAX_SAFETY_FACTOR)
         require_int(self.min_observations, "hang.min_observations", low=1, high=MAX_COUNT)
@@ -100,15 +124,26 @@ class HangConfig:
     @property
     def longest_timeout_s(self) -> float:
         """The longest timeout this configuration grants any section; a computed one never exceeds it."""
-        return max(self.default_timeout_s, self.startup_timeout_s, self.long_section_timeout_s,
+        return max(self.idle_timeout_s, self.busy_timeout_s, self.startup_timeout_s, self.long_section_timeout_s,
                    *self.timeouts_s.values())
+
+
+class Evidence(str, Enum):
+    """Why a rank past its timeout is taken for hung (see the module's doc)."""
+
+    STOPPED = "stopped"  # its process is stopped (SIGSTOP, a debugger)
+    IDLE = "idle"  # its processes used no CPU
+    BUSY = "busy"  # it computed, and made no progress
+    WAITING = "waiting"  # in a collective, with no local peer to blame
+    TIMEOUT = "timeout"  # a fixed timeout (``timeouts_s``), start-up, or a section outside steps
 
 
 @dataclass(frozen=True, kw_only=True)
 class Hang:
     """A rank past its timeout. ``waiting_on`` lists local ranks outside a collective
     while this one waits in one: those are the likely culprits, and killing them
-    first unblocks this rank."""
+    first unblocks this rank. ``for_s`` is how long the evidence held (stopped
+    for, idle for, or without progress), compared with ``timeout_s``."""
 
     rank: int
     pid: int | None  # None before the rank created its slot
@@ -116,16 +151,33 @@ class Hang:
     step: int
     since_progress_s: float
     timeout_s: float
+    evidence: str = Evidence.TIMEOUT.value
+    for_s: float = 0.0
     waiting_on: tuple[int, ...] = ()
-    stopped: bool = False  # the process is stopped (SIGSTOP): it is hung whatever it waits for
+
+    @property
+    def stopped(self) -> bool:
+        """The process is stopped (SIGSTOP): it is hung whatever it waits for."""
+        return self.evidence == Evidence.STOPPED.value
 
     @property
     def blocked_by_peer(self) -> bool:
         return bool(self.waiting_on)
 
+    def describe(self) -> str:
+        """Why, in words (the agent's kill line)."""
+        where = f"in {self.section}" + (f" at step {self.step}" if self.step >= 0 else "")
+        what = {
+            Evidence.STOPPED.value: "stopped (SIGSTOP or a debugger) for",
+            Evidence.IDLE.value: "no progress and no CPU used for",
+            Evidence.BUSY.value: "computing with no progress for",
+            Evidence.WAITING.value: "waiting on other nodes with no progress for",
+        }.get(self.evidence, "no progress for")
+        return f"hung {where}: {what} {self.for_s:.1f} s (timeout {self.timeout_s:.1f} s)"
+
 
 class HangDetector:
-    """Polled by the node agent; ``poll`` only reads memory-mapped files and never blocks."""
+    """Polled by the node agent; ``poll`` reads memory-mapped files and ``/proc``, and never blocks."""
 
     def __init__(self, config: HangConfig, run_dir: str | os.PathLike[str], ranks: Iterable[int]) -> None:
         self.config = config
@@ -142,6 +194,8 @@ class HangDetector:
         self.last: dict[int, ProgressSnapshot | None] = {r: None for r in self._readers}
         self.inconsistent_reads = 0  # slot reads whose progress time was impossible
         self._impossible: dict[int, int] = {}  # consecutive such reads per rank
+        self._activity = Activity()
+        self._resumed_at = float("-inf")  # the agent's clock jumped (its own pause): nothing before counts
 
     @property
     def ranks(self) -> list[int]:
@@ -163,6 +217,7 @@ class HangDetector:
         self._stale[rank] = snap.identity if snap is not None else None
         self._since[rank] = time.monotonic() if now is None else now
         self.last[rank] = None
+        self._activity.forget(rank)
 
     def remove(self, rank: int) -> None:
         reader = self._readers.pop(rank, None)
@@ -171,20 +226,36 @@ class HangDetector:
         for d in (self._since, self._stale, self.last):
             d.pop(rank, None)
         self._expected.discard(rank)
+        self._activity.forget(rank)
 
-    def timeout(self, section: str, *, first_step: bool = False) -> float:
-        """The timeout applied now to a rank in ``section`` (of its first step in a generation)."""
+    def read(self, rank: int) -> ProgressSnapshot | None:
+        """``rank``'s slot now (None: none, or only its predecessor's)."""
+        reader = self._readers.get(rank)
+        snap = reader.read() if reader is not None else None
+        return None if snap is None or snap.identity == self._stale.get(rank) else snap
+
+    def paused(self, resumed_at: float) -> None:
+        """The agent did not run until ``resumed_at`` (its clock jumped): every clock starts again there."""
+        self._resumed_at = max(self._resumed_at, resumed_at)
+        self._activity.clear()
+
+    def computed(self, section: str) -> float | None:
+        """The section's computed timeout, once it has been observed often enough (None before, or off)."""
+        c = self.config
+        if c.computed and self._count.get(section, 0) >= c.min_observations:
+            return min(c.safety_factor * self._max[section], c.longest_timeout_s)
+        return None
+
+    def timeout(self, section: str) -> float:
+        """The timeout applied now to an idle rank in ``section`` (the shortest but a stopped rank's)."""
         c = self.config
         if section in c.timeouts_s:
             return c.timeouts_s[section]
-        if section == "startup":
+        if section == STARTUP:
             return c.startup_timeout_s
         if section in LONG_SECTIONS:
             return c.long_section_timeout_s
-        if c.computed and self._count.get(section, 0) >= c.min_observations:
-            computed = min(max(c.min_timeout_s, c.safety_factor * self._max[section]), c.longest_timeout_s)
-            return max(computed, c.default_timeout_s) if first_step else computed
-        return c.default_timeout_s
+        return max(c.idle_timeout_s, self.computed(section) or 0.0)
 
     def poll(self, now: float | None = None) -> list[Hang]:
         """Hung ranks, oldest progress first. ``now`` is ``time.monotonic()`` seconds."""
@@ -198,23 +269,26 @@ class HangDetector:
             if snap is not None:
                 self._observe(rank, snap)
                 if snap.closed:
+                    self._activity.forget(rank)
                     continue
             live[rank] = snap
         if not self.config.enabled:
             return []
         collective = self.config.collective_sections
         arrived: dict[int, float] = {}  # per generation, when the last local rank entered a collective
+        ahead: tuple[int, int] = (-1, -1)  # the latest (generation, step) a local rank is at
         for snap in live.values():
-            if snap is not None and snap.counter and snap.section in collective and \
-                    snap.started_s <= snap.last_progress_s <= now + 1.0:
-                arrived[snap.generation] = max(arrived.get(snap.generation, 0.0), snap.last_progress_s)
+            if snap is not None and snap.counter:
+                ahead = max(ahead, (snap.generation, snap.step))
+                if snap.section in collective and snap.started_s <= snap.last_progress_s <= now + 1.0:
+                    arrived[snap.generation] = max(arrived.get(snap.generation, 0.0), snap.last_progress_s)
         hangs = []
         for rank, snap in live.items():
             if snap is None and rank not in self._expected:
                 continue  # never reported progress: not watched
             if snap is None or snap.counter == 0:
-                section, step, pid = "startup", -1, (snap.pid if snap else None)
-                since = now - (self._since[rank] if snap is None else max(self._since[rank], snap.started_s))
+                section, step, pid = STARTUP, -1, (snap.pid if snap else None)
+                start = self._since[rank] if snap is None else max(self._since[rank], snap.started_s)
             else:
                 section, step, pid = snap.section, snap.step, snap.pid
                 if snap.started_s <= snap.last_progress_s <= now + 1.0:
@@ -223,7 +297,6 @@ class HangDetector:
                     start = max(snap.last_progress_s, self._since[rank])
                     if section in collective:  # its collective could not end before its last local peer came
                         start = max(start, arrived.get(snap.generation, start))
-                    since = now - start
                 else:
                     # A time its writer never wrote: a damaged slot. Judged once it has stayed so
                     # for a while, by the time since the rank was first watched.
@@ -231,15 +304,45 @@ class HangDetector:
                     self._impossible[rank] = self._impossible.get(rank, 0) + 1
                     if self._impossible[rank] < IMPOSSIBLE_READS_BEFORE_JUDGING:
                         continue
-                    since = now - self._since[rank]
-            limit = self.timeout(section, first_step=snap is not None and snap.first_step)
-            if since > limit:
-                waiting = self._waiting_on(rank, section, live)
-                hangs.append(Hang(rank=rank, pid=pid, section=section, step=step,
-                                  since_progress_s=since, timeout_s=limit, waiting_on=waiting,
-                                  stopped=pid is not None and is_stopped(pid)))
+                    start = self._since[rank]
+            since = now - max(start, self._resumed_at)
+            if pid is None or since < PROBE_AFTER_S:
+                self._activity.forget(rank)
+                act = None
+            else:
+                act = self._activity.look(rank, pid, now)
+            # In a collective that a local peer has left (it is at a later step, or in a later generation), a
+            # rank waits for nothing that will come: it is judged by its own evidence, as a culprit.
+            behind = snap is not None and (snap.generation, snap.step) < ahead
+            verdict = self._judge(section, since, now, act, waits=section in collective and not behind)
+            if verdict is not None:
+                evidence, for_s, limit = verdict
+                waiting = () if behind else self._waiting_on(rank, section, live)
+                hangs.append(Hang(rank=rank, pid=pid, section=section, step=step, since_progress_s=since,
+                                  timeout_s=limit, evidence=evidence.value, for_s=for_s, waiting_on=waiting))
         hangs.sort(key=lambda h: -h.since_progress_s)
         return hangs
+
+    def _judge(self, section: str, since: float, now: float, act: RankActivity | None, *,
+               waits: bool) -> tuple[Evidence, float, float] | None:
+        """(evidence, how long it held, the timeout it passed), or None: not hung."""
+        c = self.config
+        if act is not None and act.stopped_since is not None:
+            stopped = now - max(act.stopped_since, self._resumed_at)
+            if stopped > c.stopped_timeout_s:
+                return Evidence.STOPPED, stopped, c.stopped_timeout_s
+        if section in c.timeouts_s or section == STARTUP or section in LONG_SECTIONS:
+            limit = self.timeout(section)
+            return (Evidence.TIMEOUT, since, limit) if since > limit else None
+        computed = self.computed(section) or 0.0
+        busy_limit = max(c.busy_timeout_s, computed)
+        if waits:
+            return (Evidence.WAITING, since, busy_limit) if since > busy_limit else None
+        idle_limit = max(c.idle_timeout_s, computed)
+        idle = idle_for(act, since, now) if act is not None else 0.0
+        if idle > idle_limit:
+            return Evidence.IDLE, idle, idle_limit
+        return (Evidence.BUSY, since, busy_limit) if since > busy_limit else None
 
     def _waiting_on(self, rank: int, section: str, live: dict[int, ProgressSnapshot | None]) -> tuple[int, ...]:
         """The peers a rank past its timeout waits for, if it waits at all.

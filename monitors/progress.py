@@ -23,6 +23,9 @@ The writer brackets every update with an odd/even sequence number (a seqlock)
 and readers retry until they copy a consistent image. A new reporter creates
 its file under a temporary name and renames it, so a reader never sees a half
 initialised slot and a respawned rank always gets a fresh file (a new inode).
+The file's blocks are written before it is mapped: on a full filesystem the
+reporter fails to start (``OSError``) instead of its rank dying of SIGBUS at
+its first write to a page the filesystem cannot back.
 """
 
 from __future__ import annotations
@@ -133,11 +136,12 @@ class ProgressReporter:
 
     ``enter(..., generation=g)`` says which generation the rank is in (or,
     recovering, heading to). From a change of generation until the rank
-    completes a step of work in it, the slot says "first step": a
+    completes a step of work in it, the slot says "first step" (a
     replacement's first step runs on cold caches, and a survivor's waits in
-    its collectives for peers still healing, so the hang detector gives that
-    step the timeout of a section never observed, and its sections are not
-    observations of their durations either.
+    its collectives for peers still healing). Its sections are observations
+    like any other: a timeout learned from a long step is only longer, and
+    the hang detector judges a slow step by what the rank does, not by a
+    timeout alone (monitors.hang).
 
     With ``cuda_device``, a timed step's every ``enter`` also records a CUDA
     event, and its entry gets per-section device times once its events
@@ -163,10 +167,15 @@ class ProgressReporter:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = create_exclusive(tmp)  # never an existing file (or a link placed at the name)
         try:
-            os.ftruncate(fd, SLOT_SIZE)  # zero-filled
+            # Every block written now, not a sparse file: a page first touched through the map on a full
+            # filesystem would be a SIGBUS, here an OSError (ENOSPC) the rank can report.
+            _write_zeros(fd, SLOT_SIZE)
             self._mm = mmap.mmap(fd, SLOT_SIZE)
-        finally:
+        except OSError:
             os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
         self._pid = os.getpid()
         self._start = now
         self._counter = 0
@@ -203,7 +212,6 @@ class ProgressReporter:
         prev = self._code
         boundary = step != self._step
         completed = boundary and step > self._step >= 0
-        first = self._flags & FLAG_FIRST_STEP
         # CUDA calls first, outside the update: if one raises, the slot stays consistent.
         clock = self._clock
         device, ready = DEVICE_NONE, ()
@@ -216,7 +224,7 @@ class ProgressReporter:
         dt = now - self._t
         self._acc[prev] += dt
         st = self._stats
-        if code != _RECOVERY and not first:
+        if code != _RECOVERY:
             st[3 * prev] += 1
             st[3 * prev + 1] += dt
             if dt > st[3 * prev + 2]:
@@ -374,6 +382,20 @@ def _store(mm: mmap.mmap, offset: int, fmt: struct.Struct, *values: Any) -> None
     killed as idle for 11 s.
     """
     mm[offset:offset + fmt.size] = fmt.pack(*values)
+
+
+def _write_zeros(fd: int, size: int) -> None:
+    zeros = bytes(size)
+    done = 0
+    while done < size:
+        done += os.write(fd, zeros[done:])
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _entry_offset(index: int) -> int:

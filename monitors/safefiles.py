@@ -92,11 +92,12 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = Tru
     return path
 
 
-def append_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Appends ``data`` with one ``write`` (lines from several processes never interleave)."""
+def append_bytes(path: str | os.PathLike[str], data: bytes) -> int:
+    """Appends ``data`` with one ``write`` (lines from several processes never interleave); returns the bytes
+    written, fewer than ``len(data)`` when the filesystem filled up mid-write."""
     fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        os.write(fd, data)
+        return os.write(fd, data)
     finally:
         os.close(fd)
 

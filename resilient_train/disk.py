@@ -94,6 +94,13 @@ class DiskCheckpoints:
         """The longest save so far, from its request to its commit (the preemption's grace covers two)."""
         return self._manager.longest_save_s
 
+    def check_storage(self) -> None:
+        """Raises the storage fault a save met (a full, read-only or failing filesystem): the job stops at the
+        next boundary, not at the next interval."""
+        error = self._manager.storage_error
+        if error is not None:
+            raise type(error)(error.message)
+
     def save(self, state: TrainState, *, required: bool = False, wait_s: float | None = None,
              tag: str | None = None) -> SaveHandle:
         """Saves the boundary ``state.step`` (the caller checked ``config.should_save``).

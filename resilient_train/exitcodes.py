@@ -4,6 +4,7 @@ packages (``checkpointing``, ``chaos``) read too."""
 from __future__ import annotations
 
 from monitors.exitcodes import (BAD_INPUT, DISK_FULL, FAILED, FENCED, OK, REQUEUE, RERUN_ELSEWHERE,
-                                STOPPED, VALIDATION_FAILED)
+                                STOPPED, STORAGE, VALIDATION_FAILED)
 
-__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "FENCED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "VALIDATION_FAILED"]
+__all__ = ["BAD_INPUT", "DISK_FULL", "FAILED", "FENCED", "OK", "REQUEUE", "RERUN_ELSEWHERE", "STOPPED", "STORAGE",
+           "VALIDATION_FAILED"]

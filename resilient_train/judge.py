@@ -4,9 +4,12 @@ One rank's view, fed every failure it sees and every step it completes:
 
 * a collective or store error, or a generation another party declared failed,
   is a fault: recover;
-* an exception of the step is recovered once; if the step's replay raises it
-  again (same type, message and place), it is a bug: stop, with the first
-  traceback;
+* an exception is recovered once; raised again by this rank (same type,
+  message without its numbers, and place), it is a bug: stop, with the first
+  traceback. Again on the step's replay, or again later (an exception after
+  the commit, where logging and metrics code lives, recurs every N steps and
+  never on a replay): either way at most one retry. A collective or store
+  error is a fault however often it comes;
 * a misuse of the runtime, a full disk, a world that never assembles: stop;
 * more than ``max_recoveries`` recoveries, or more than
   ``max_failed_generations`` generations in a row without a completed step:
@@ -18,11 +21,13 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass
 
-from checkpointing import is_disk_full
+from checkpointing.errors import storage_stop
 from resilient_train import exitcodes
 from resilient_train.errors import Failure, FailureKind, UsageError, classify
 
 __all__ = ["Judge", "Stop"]
+
+_REMEMBERED = 64  # distinct exceptions a rank remembers (each recovered once so far)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +45,7 @@ class Judge:
         self.max_failed_generations = max_failed_generations
         self.recoveries = 0
         self.without_progress = 0  # generations in a row that completed no step
-        self._last_exception: tuple[int, str, str] | None = None  # (step, signature, traceback)
+        self._exceptions: dict[str, tuple[int, str]] = {}  # signature -> (the step it was first raised at, traceback)
 
     def progress(self) -> None:
         """A step completed."""
@@ -52,18 +57,22 @@ class Judge:
 
         if isinstance(exc, JoinError):
             return Stop(reason=str(exc), exit_code=exitcodes.FAILED, traceback=_text(exc))
-        if is_disk_full(exc):  # every replacement would fail the same write
-            return Stop(reason=str(exc), exit_code=exitcodes.DISK_FULL)
+        storage = storage_stop(exc)
+        if storage is not None:  # every replacement would fail the same write
+            return Stop(reason=str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__, exit_code=storage)
         failure = classify(exc)
         if failure.kind is FailureKind.USAGE:
             return Stop(reason=str(exc), traceback="" if isinstance(exc, UsageError) else _text(exc))
         # An exception raised while the generation was already failing is a consequence, never a verdict.
         if failure.kind is FailureKind.EXCEPTION and not generation_moved:
-            last = self._last_exception
-            if last is not None and last[0] == step and last[1] == failure.signature:
-                return Stop(reason=f"{failure.summary} (raised again when step {step} was replayed)",
-                            traceback=last[2])
-            self._last_exception = (step, failure.signature, _text(exc))
+            seen = self._exceptions.get(failure.signature)
+            if seen is not None:
+                first, text = seen
+                again = f"when step {step} was replayed" if first == step else f"at step {step}, as at step {first}"
+                return Stop(reason=f"{failure.summary} (raised again {again}: a bug, not a fault)", traceback=text)
+            if len(self._exceptions) >= _REMEMBERED:
+                self._exceptions.pop(next(iter(self._exceptions)))
+            self._exceptions[failure.signature] = (step, _text(exc))
         return failure
 
     def not_recovering(self) -> None:

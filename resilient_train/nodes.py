@@ -129,6 +129,11 @@ class NodeWatch:
     def watched(self) -> list[int]:
         return [(self.me + i) % self.nnodes for i in range(1, min(WATCHED, self.nnodes - 1) + 1)]
 
+    def excuse(self, now: float) -> None:
+        """The watcher did not run until ``now`` (its own pause): every beat counts as seen then."""
+        for node, seen in self._seen.items():
+            self._seen[node] = _Seen(seen.incarnation, seen.beat, max(seen.changed_at, now))
+
     def poll(self, now: float | None = None) -> list[tuple[int, int]]:
         """The lost ``(node, incarnation)`` pairs (looked at about once a second)."""
         now = time.monotonic() if now is None else now

@@ -223,6 +223,7 @@ class DiskPart(Part):
 
     def on_step_end(self, state: TrainState) -> None:
         self._step = state.step
+        self.disk.check_storage()
         if self.disk.config.should_save(state.step):
             self._enter("checkpoint", state.step)  # the save alone is the checkpoint section
             self.disk.save(state, required=state.step == self._last)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Preemption", "PreemptionConfig", "checkpoint_for_preemption"]
 
-_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
+_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP", "SIGQUIT")
 # A preempted rank waits this long for a join under way (a replacement from a warm spare joins within a second,
 # a cold one within a few) before it stops the job from the join (Preemption.overdue_in_join).
 JOIN_WAIT_S = 5.0
@@ -56,8 +56,9 @@ _RESERVED = {"SIGUSR2": "the agent asks a hung rank for its stacks with it (moni
 @file_defaults("preemption")
 @dataclass(frozen=True, kw_only=True)
 class PreemptionConfig:
-    # Each one asks for a stop at the next boundary; SIGINT too: Ctrl-C stops the job cleanly, checkpointed.
-    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")
+    # Each one asks for a stop at the next boundary: Ctrl-C, a closed terminal (SIGHUP) and Ctrl-\ (SIGQUIT) too,
+    # which the agent forwards: every one stops the job cleanly, checkpointed.
+    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP", "SIGQUIT")
     grace_s: float | None = None  # from the signal to the rank's exit; None: 60 s, or 3x the longest save
     on_grace_expiry: str = "exit"  # "exit": leave without the checkpoint; "wait": its timeout_s more for the save
 

@@ -15,12 +15,16 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
+from checkpointing.errors import storage_error_for
 from monitors.events import EventLog
 from resilient_train import exitcodes
+from resilient_train.env import WorkerEnv
 from resilient_train.errors import Failure, JobStopped
 from resilient_train.generation import ResumePlan
 from resilient_train.judge import Judge, Stop
@@ -28,7 +32,7 @@ from resilient_train.rendezvous import interrupt_for_stop, leave_generation, sto
 from resilient_train.store import read_fault, read_stop, request_stop
 from resilient_train.watch import GenerationWatcher
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "stop_on_storage_fault"]
 
 
 class Recovery:
@@ -162,3 +166,23 @@ class Recovery:
             steps_redone=max(0, int(t["fault_step"]) - resume_step),
         )
         self.timings = {}
+
+
+@contextmanager
+def stop_on_storage_fault(store: dist.Store, events: EventLog, env: WorkerEnv, run_dir: Path | None) -> Iterator[None]:
+    """Around a rank's start: a storage fault (its progress slot on a full or read-only disk) stops the job with
+    its code (28, 74), since no replacement would fare better; anything else is raised as it is."""
+    try:
+        yield
+    except OSError as exc:
+        fault = storage_error_for(run_dir or Path("."), exc, what=f"starting rank {env.rank}")
+        if fault is None:
+            raise
+        stood = request_stop(store, {"rank": env.rank, "summary": str(fault), "exit_code": fault.exit_code,
+                                     "step": -1, "generation": -1})
+        interrupt_for_stop(store, world_size=env.world_size)
+        events.emit("job_stopped", rank=env.rank, reason=str(fault), exit_code=fault.exit_code, step=-1,
+                    generation=-1, traceback="")
+        if not env.under_agent:  # the agent says it once for the job
+            print(f"resilient-train: rank {env.rank} stopped the job: {fault}", file=sys.stderr, flush=True)
+        raise SystemExit(int(stood.get("exit_code", fault.exit_code))) from None

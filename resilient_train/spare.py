@@ -16,7 +16,9 @@ environment, argv and cwd, and, as SCM_RIGHTS, the fds 0, 1 and 2 a cold
 worker of that rank would get (the agent's stdin, the pipes its relay reads).
 The spare puts them in place, replays what it printed while warming, and runs
 the script in ``__main__`` as ``python`` runs it. If the agent goes away
-first, the socket closes and the spare exits 0.
+first, the socket closes and the spare exits 0. While it waits it ignores the
+signals that stop a job (checkpointing.stopsignals): they are sent to every
+process of a job, and a spare must outlive the stop it may be needed for.
 """
 
 from __future__ import annotations
@@ -127,6 +129,22 @@ def _become(spec: dict[str, Any], fds: list[int], start_env: dict[str, str]) -> 
     os.chdir(spec["cwd"])
     sys.orig_argv[:] = spec["orig_argv"]
     sys.path[0] = spec["path0"]
+    _take_cold_signals(spec.get("ignored_signals", []))
+
+
+def _take_cold_signals(ignored: list[str]) -> None:
+    """The stop signals the spare ignored while it waited (resilient_train.spares) get a cold worker's
+    dispositions: ignored where the agent ignores them, else the default (``python``'s KeyboardInterrupt for
+    SIGINT)."""
+    from checkpointing.stopsignals import STOP_SIGNALS
+
+    for signum in STOP_SIGNALS:
+        if signal.Signals(signum).name in ignored:
+            signal.signal(signum, signal.SIG_IGN)
+        elif signum == signal.SIGINT:
+            signal.signal(signum, signal.default_int_handler)
+        else:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def _replay(fd: int, target: int) -> None:

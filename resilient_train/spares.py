@@ -43,6 +43,7 @@ import time
 from enum import Enum
 from typing import IO, Callable
 
+from checkpointing.stopsignals import STOP_SIGNALS, ignore_stop_signals
 from resilient_train import env as E
 from resilient_train import fdlimit
 from resilient_train.entry import Entry
@@ -73,6 +74,20 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     except OSError:
         pass
+
+
+def _spare_preexec() -> None:
+    """A spare before its exec: :func:`die_with_parent`, and deaf to the signals that stop a job while it waits
+    (Ctrl-C or a scheduler's signal to every process must not cost the job its spare); it takes a cold
+    worker's dispositions back at its handover (resilient_train.spare)."""
+    die_with_parent()
+    ignore_stop_signals()
+
+
+def cold_ignored_signals() -> list[str]:
+    """The stop signals a cold worker would start with ignored: those the agent ignores itself (an ignored
+    signal stays ignored across exec; a handled one is reset)."""
+    return [signal.Signals(s).name for s in STOP_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
 
 
 class SpareState(str, Enum):
@@ -122,7 +137,7 @@ class Spare:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-c", BOOT, str(child.fileno()), self._path0, *self._argv],
                 stdin=subprocess.DEVNULL, stdout=self._early[0], stderr=self._early[1], env=env,
-                pass_fds=(child.fileno(),), preexec_fn=die_with_parent,
+                pass_fds=(child.fileno(),), preexec_fn=_spare_preexec,
             )
         except OSError:
             self._close_files()
@@ -154,7 +169,7 @@ class Spare:
         assert self.state in (SpareState.WARMING, SpareState.READY), self.state
         assert spare_env(env) == self.env, "a spare is handed only to a rank whose environment it started with"
         spec = {"argv": self._argv, "orig_argv": self._orig_argv, "env": env, "cwd": os.getcwd(),
-                "path0": self._path0}
+                "path0": self._path0, "ignored_signals": cold_ignored_signals()}
         payload = json.dumps(spec).encode()
         message = len(payload).to_bytes(4, "big") + payload
         try:

@@ -42,7 +42,7 @@ from resilient_train.local_state import LocalSlots
 from resilient_train.preempt import Preemption, checkpoint_for_preemption
 from resilient_train.mesh import MeshSpec, build_mesh, release_mesh
 from resilient_train.parts import DiskPart, Part
-from resilient_train.recovery import Recovery
+from resilient_train.recovery import Recovery, stop_on_storage_fault
 from resilient_train.reducer import GradientReducer
 from resilient_train.rendezvous import enter_generation, join_interruptibly
 from resilient_train.sharded import Parallelize, ShardedModule, check_sharded_run
@@ -140,7 +140,8 @@ class Supervisor:
         self._on_new_group = on_new_group
         self.preemption = Preemption(self.config.preemption)  # SIGTERM/SIGUSR1 from here on: a stop at a boundary
         self._preempted: tuple[int, bool] | None = None  # (step, checkpoint committed) once stopped for one
-        self._setup_parts(state)
+        with stop_on_storage_fault(self.store, self.events, self.env, self.run_dir):  # a slot on a full disk
+            self._setup_parts(state)
         self.store.set(Keys.supervised(self.env.rank), str(os.getpid()))
         self._publish_grace()  # the agent's SIGKILL follows it (resilient_train.shutdown)
         self.events.emit("run_start", rank=self.env.rank, pid=os.getpid(), world_size=self.env.world_size,
@@ -391,7 +392,6 @@ class Supervisor:
         if self.stepper.live is not None:
             self.stepper.guard.restore()  # a fault before the commit: forward may have changed buffers
 
-    # ---------------------------------------------------------- entry points
     def _on_moved(self) -> None:
         """Watcher thread: the generation was declared failed; release the main thread from its collectives."""
         self.stepper.abort_reductions(f"generation {self.generation} was declared failed")

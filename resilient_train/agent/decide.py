@@ -4,7 +4,10 @@ Nothing here acts or reads the store: the events carry what their pollers
 read, and :class:`View` what the agent knows (its state, its workers, its
 budgets). The loop carries the decision out. The rules, by event:
 
-* a worker exited: 0 is done; a rank that stopped the job (exit 93, or any
+* a worker exited: 0 is done, but for a Supervisor rank before the run's
+  final state is committed (it left its loop early: a fault the first time,
+  replaced; at the same step again, a bug: the job stops with 93); a rank
+  that stopped the job (exit 93, or any
   failure once the job's stop key is set), 17 (the rerun policy) stop it here
   too; 75 is a preemption its ranks began; any other failure after the run's
   final state is committed is ignored; a Supervisor rank is replaced in place
@@ -19,7 +22,9 @@ budgets). The loop carries the decision out. The rules, by event:
 * this node declared lost while its agent lived (its own loss key, or a rank
   that exited FENCED): fenced, exit 94 (resilient_train.fence);
 * the store lost: 94 if this node had been fenced, 0 if it had finished,
-  else give up with exit 1.
+  else give up with exit 1;
+* the run directory removed, replaced or read-only: the job stops with 74
+  (nothing can be written: checkpoints, events, the final state).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from resilient_train.agent.events import (
     AllSucceeded, ClaimNode, Decision, EnableSpares, End, Event, Fail, Fence, Fenced, Ignore, JobEnded, Kill,
     KillDumped, Leave,
     MarkSucceeded, MonitorStateDue, MonitorStateOffered, NodeAssigned, NodeLost, PeerStopping, RankHung, Replace,
-    RestartAll, SaveMonitorState, ShutDown, Signalled, SpareDue, StacksDue, StartSpare, StopJob, StoreLost,
+    RestartAll, RunDirFailed, SaveMonitorState, ShutDown, Signalled, SpareDue, StacksDue, StartSpare, StopJob, StoreLost,
     SupervisedSeen, TakeNode, TakeOffer, WorkerExited,
 )
 from resilient_train.agent.state import AgentState
@@ -60,6 +65,7 @@ class View:
     restart_policy: RestartPolicy = field(default_factory=lambda: RestartPolicy(0))  # asked, never changed here
     reported_step: int = -1  # the highest step a rank of this attempt reported
     finished: bool = False  # every worker of this node exited 0
+    early_exits: frozenset[tuple[int, int]] = frozenset()  # (rank, step): Supervisor ranks that left early
 
 
 def decide(view: View, event: Event) -> Decision:
@@ -105,13 +111,21 @@ def decide(view: View, event: Event) -> Decision:
         return SaveMonitorState()
     if isinstance(event, MonitorStateOffered):
         return TakeOffer()
+    if isinstance(event, RunDirFailed):  # no rank can write its checkpoints, events or final state
+        return StopJob(rank=-1, rc=0, exit_code=exitcodes.STORAGE, reason=event.reason, request=True)
     raise AssertionError(f"no decision for {event!r}")
 
 
 def _worker_exited(view: View, e: WorkerExited) -> Decision:
     if view.pids.get(e.rank) != e.pid:
         return Ignore(why=f"rank {e.rank}'s worker {e.pid} was replaced meanwhile")  # a restart of every worker
-    if e.rc == 0:
+    if e.early and (e.rank, e.step) in view.early_exits:
+        at = f" at step {e.step}" if e.step >= 0 else ""
+        return StopJob(rank=e.rank, rc=e.rc, exit_code=exitcodes.STOPPED, request=True,
+                       reason=f"rank {e.rank} left its training loop with exit code 0{at}, again after its "
+                              "replacement reached the same step: a bug in the script (a sys.exit or return "
+                              "inside the step?), not a fault")
+    if e.rc == 0 and not e.early:
         return MarkSucceeded(rank=e.rank)
     if e.rc == exitcodes.FENCED:
         # It saw its node declared lost (resilient_train.fence): so was this agent, stopped meanwhile.
@@ -136,7 +150,7 @@ def _worker_exited(view: View, e: WorkerExited) -> Decision:
             return Fail(message=f"rank {e.rank} died ({failure.how}) and the replacement budget "
                         f"({view.max_replacements}, --max-replacements) is spent", exit_code=exitcodes.FAILED,
                         failure=failure)
-        return Replace(failure=failure)
+        return Replace(failure=failure, step=e.step)
     if view.nnodes > 1:
         return Fail(message=f"{failure.describe()}; restarting every worker of a plain script across nodes is not "
                     "supported yet (the Supervisor's ranks are replaced in place on any node)",

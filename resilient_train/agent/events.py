@@ -19,7 +19,7 @@ __all__ = [
     "AllSucceeded", "ClaimNode", "Decision", "EnableSpares", "End", "Event", "Fail", "Fence", "Fenced", "Ignore",
     "JobEnded",
     "Kill", "KillDumped", "Leave", "MarkSucceeded", "MonitorStateDue", "MonitorStateOffered", "NodeAssigned",
-    "NodeLost", "PeerStopping", "RankHung", "Replace", "RestartAll", "SaveMonitorState", "ShutDown", "Signalled",
+    "NodeLost", "PeerStopping", "RankHung", "Replace", "RestartAll", "RunDirFailed", "SaveMonitorState", "ShutDown", "Signalled",
     "SpareDue", "StacksDue", "StartSpare", "StopJob", "StoreLost", "SupervisedSeen", "TakeNode", "TakeOffer",
     "WorkerExited",
 ]
@@ -39,6 +39,8 @@ class WorkerExited:
     followed: tuple[Failure, ...] = ()  # the others of the same look that exited after it (for the blame)
     supervised: bool = False  # its rank registered with the Supervisor: replaced in place
     final: bool = False  # the run's final state was committed when it was seen
+    early: bool = False  # a Supervisor rank that exited 0 before the final state was committed
+    step: int = -1  # the step its progress slot showed last (-1: none)
     stop: dict[str, Any] | None = None  # the job's stop record (a rank stopped the job), when there is one
 
 
@@ -135,8 +137,15 @@ class MonitorStateOffered:
     """A rank left the monitor state of the checkpoint it resumed from."""
 
 
+@dataclass(**_E)
+class RunDirFailed:
+    """The run directory was removed or replaced, or its filesystem became read-only (agent.rundirwatch)."""
+
+    reason: str
+
+
 Event = Union[WorkerExited, RankHung, StacksDue, NodeLost, Signalled, PeerStopping, AllSucceeded, SupervisedSeen,
-              SpareDue, StoreLost, Fenced, NodeAssigned, JobEnded, MonitorStateDue, MonitorStateOffered]
+              SpareDue, StoreLost, Fenced, NodeAssigned, JobEnded, MonitorStateDue, MonitorStateOffered, RunDirFailed]
 
 
 # --------------------------------------------------------------- decisions
@@ -155,12 +164,14 @@ class MarkSucceeded:
 
 @dataclass(**_E)
 class StopJob:
-    """A rank stopped the job (STOPPING): the ranks leave on their own, the rest are killed after a grace."""
+    """A rank stopped the job (STOPPING): the ranks leave on their own, the rest are killed after a grace.
+    ``request``: the agent stops it itself (a rank that keeps leaving early): the job's stop key is set first."""
 
     rank: int
     rc: int
     exit_code: int
     reason: str
+    request: bool = False
 
 
 @dataclass(**_E)
@@ -177,6 +188,7 @@ class Replace:
     """A Supervisor rank died: declare its generation failed and start it again in place (from a spare)."""
 
     failure: Failure
+    step: int = -1  # the step it was at (a rank that left early: the same step twice is a bug)
 
 
 @dataclass(**_E)

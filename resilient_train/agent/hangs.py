@@ -56,6 +56,11 @@ class HangPolicy:
         reported = had_worker and self.monitor.hangs.last.get(rank) is not None
         self.monitor.reset(rank, expect_progress=reported)
 
+    def step_of(self, rank: int) -> int:
+        """The step ``rank``'s progress slot shows now (-1: none yet)."""
+        snap = self.monitor.hangs.read(rank) if self.monitor is not None else None
+        return snap.step if snap is not None else -1
+
     def new_attempt(self) -> None:
         self.reported_step = -1
 
@@ -70,8 +75,9 @@ class HangPolicy:
         causes: dict[int, dict] = {r: {"kind": "straggler"} for r in found.replace}
         for h in found.hangs:
             if h.rank in found.kill:
-                causes[h.rank] = {"kind": "hang", "phase": h.section, "step": h.step,
-                                  "since_progress_s": round(h.since_progress_s, 3), "timeout_s": h.timeout_s}
+                causes[h.rank] = {"kind": "hang", "phase": h.section, "step": h.step, "evidence": h.evidence,
+                                  "for_s": round(h.for_s, 3), "since_progress_s": round(h.since_progress_s, 3),
+                                  "timeout_s": h.timeout_s, "reason": h.describe()}
         by_rank = {w.rank: w for w in workers}
         events: list[RankHung | StacksDue] = []
         for rank, cause in causes.items():

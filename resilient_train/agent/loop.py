@@ -29,6 +29,7 @@ import torch.distributed as dist
 from monitors import EventLog, NodeMonitor
 from monitors.dashboard.server import DashboardServer
 from resilient_train.agent import events as ev
+from resilient_train.agent.clock import PauseClock
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.decide import View, decide
 from resilient_train.agent.ending import Ending
@@ -36,6 +37,7 @@ from resilient_train.agent.hangs import HangPolicy
 from resilient_train.agent.membership import Membership
 from resilient_train.agent.monitorstate import MonitorState
 from resilient_train.agent.recovery import Recovery
+from resilient_train.agent.rundirwatch import RunDirWatch
 from resilient_train.agent.signals import SignalTrap
 from resilient_train.agent.state import AgentError, AgentLifecycle, AgentState
 from resilient_train.agent.storehost import StoreHost
@@ -89,6 +91,8 @@ class Agent:
                                  spawn=lambda rank, g, replacement: self._spawn(rank, g, replacement=replacement))
         self.spares = self._spare_pool()
         self.signals = SignalTrap(c.signals, self.console)
+        self.clock = PauseClock()
+        self.run_dir_watch = RunDirWatch(self.run_dir)
         self.ending = Ending(c, self.lifecycle, workers=self.workers, events=self.events, say=self._say,
                              membership=self.membership, hosting=self.host.hosting)
 
@@ -121,6 +125,7 @@ class Agent:
                     pids={w.rank: w.proc.pid for w in self.workers},
                     killing=frozenset(w.rank for w in self.workers if w.cause is not None),
                     replacements=self.recovery.replacements, max_replacements=c.max_replacements,
+                    early_exits=frozenset(self.recovery.early_exits),
                     max_restarts=c.max_restarts, attempt=self.host.attempt, restart_policy=self.recovery.policy,
                     reported_step=self.hangs.reported_step, finished=self.workers.all_succeeded())
 
@@ -175,16 +180,30 @@ class Agent:
 
     def _look(self) -> None:
         """One look at everything this state watches: each event is decided and acted on as it comes."""
+        paused = self.clock.tick()
+        if paused is not None:
+            self._excuse(paused)
         for poller in self._pollers():
             for event in poller():
                 self._act(decide(self.view(), event))
                 if self.state.terminal:
                     return
 
+    def _excuse(self, paused_s: float) -> None:
+        """The agent did not run for ``paused_s`` (resilient_train.agent.clock): nothing of it is charged to the
+        ranks or to the other nodes."""
+        now = time.monotonic()
+        if self.hangs.monitor is not None:
+            self.hangs.monitor.hangs.paused(now)
+        if self.membership is not None:
+            self.membership.excuse(now)
+        self.events.emit("agent_paused", seconds=round(paused_s, 3))
+
     def _pollers(self) -> list[Poller]:
         if self.state is AgentState.WAITING_FOR_NODE:
             return [self.signals.poll, self._poll_assignment, self._poll_spares]
-        return [self.signals.poll, self._poll_peers, lambda: self.workers.poll(self.store),
+        return [self.signals.poll, self.run_dir_watch.poll, self._poll_peers,
+                lambda: self.workers.poll(self.store, self.hangs.step_of),
                 lambda: self.hangs.poll(list(self.workers)), self.persist.poll, self._poll_nodes,
                 self._poll_supervised, self._poll_spares, self._poll_done]
 
@@ -229,14 +248,17 @@ class Agent:
             if d.after_final is not None:  # the final state is committed: the run is over whatever happens now
                 self.events.emit("worker_exit_after_final", rank=d.rank, how=d.after_final.how)
         elif isinstance(d, ev.StopJob):
-            self.events.emit("worker_stopped_job", rank=d.rank, exit_code=d.rc, reason=d.reason)
+            if d.rank >= 0:
+                self.events.emit("worker_stopped_job", rank=d.rank, exit_code=d.rc, reason=d.reason)
+            if d.request:  # the agent's own verdict: every rank, on every node, learns it from the store
+                self.recovery.stop_job(d.rank, exit_code=d.exit_code, reason=d.reason)
             self.ending.stop(self.store, exit_code=d.exit_code, reason=d.reason, restarts=self.restarts)
         elif isinstance(d, ev.ShutDown):
             if d.preempted_rank is not None:
                 self.events.emit("worker_preempted", rank=d.preempted_rank)
             self.ending.shut_down(self.store, d.signum, signalled=d.signalled, restarts=self.restarts)
         elif isinstance(d, ev.Replace):
-            self.recovery.replace(d.failure)
+            self.recovery.replace(d.failure, step=d.step)
         elif isinstance(d, ev.RestartAll):
             self.recovery.restart_all(d)
         elif isinstance(d, ev.Fail):

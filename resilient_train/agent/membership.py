@@ -109,6 +109,11 @@ class Membership:
                 lost.append(NodeLost(node=node, incarnation=incarnation))
         return lost
 
+    def excuse(self, now: float) -> None:
+        """This agent was paused until ``now``: the other nodes' beats it did not see are no loss."""
+        if self._watch is not None:
+            self._watch.excuse(now)
+
     def handle_loss(self, store: dist.Store, node: int, incarnation: int) -> None:
         """The first agent to claim the loss fails the generation and hands the node to a waiting spare."""
         c = self.config

@@ -22,7 +22,8 @@ from resilient_train.agent.state import AgentLifecycle, AgentState
 from resilient_train.agent.storehost import StoreHost
 from resilient_train.agent.workers import Workers
 from resilient_train.restarts import Failure, RestartPolicy
-from resilient_train.store import current_generation, declare_fault
+from resilient_train.rendezvous import interrupt_for_stop
+from resilient_train.store import current_generation, declare_fault, request_stop
 
 __all__ = ["Recovery"]
 
@@ -36,6 +37,7 @@ class Recovery:
         self.events, self._say, self._spawn = events, say, spawn
         self.policy = RestartPolicy(config.max_restarts)
         self.replacements = 0  # in-place replacements of Supervisor ranks
+        self.early_exits: set[tuple[int, int]] = set()  # (rank, step) of Supervisor ranks that left with 0 early
 
     @property
     def restarts(self) -> int:
@@ -60,15 +62,23 @@ class Recovery:
                          kind=failure.kind, summary=failure.summary, followed=[o.rank for o in followed],
                          decision=decision)
 
-    def replace(self, failure: Failure) -> None:
+    def replace(self, failure: Failure, *, step: int = -1) -> None:
         """A Supervisor rank died: its generation failed, and the rank starts again in place."""
         self.fault_detected(failure)
+        if failure.kind == "early-exit":
+            self.early_exits.add((failure.rank, step))
         self.replacements += 1
         store = self.host.store
         g = current_generation(store)
         declare_fault(store, g, {"rank": failure.rank, "kind": self.cause(failure.rank)["kind"], "how": failure.how,
                                  "time": time.time()}, world_size=self.config.world_size)
         self._spawn(failure.rank, current_generation(store), True)
+
+    def stop_job(self, rank: int, *, exit_code: int, reason: str) -> None:
+        """The agent stops the job itself: the stop key every rank and agent watches (first reason wins)."""
+        request_stop(self.host.store, {"rank": rank, "summary": reason, "exit_code": exit_code,
+                                       "step": -1, "generation": current_generation(self.host.store)})
+        interrupt_for_stop(self.host.store, world_size=self.config.world_size)
 
     def restart_all(self, d: RestartAll) -> None:
         """torchrun's recovery, for scripts that do not use the supervisor (RESTARTING, then RUNNING)."""

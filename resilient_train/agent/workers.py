@@ -55,9 +55,7 @@ class Worker:
 
 def kill_reason(cause: dict) -> str:
     if cause["kind"] == "hang":
-        where = f"in {cause['phase']}" + (f" at step {cause['step']}" if cause.get("step", -1) >= 0 else "")
-        return (f"hung {where}: no progress for {cause['since_progress_s']:.1f} s "
-                f"(timeout {cause['timeout_s']:.1f} s)")
+        return str(cause["reason"])  # monitors.hang.Hang.describe: the evidence, how long it held, the timeout
     return "a straggler (straggler policy: replace)"
 
 
@@ -161,11 +159,12 @@ class Workers:
         return worker
 
     # ------------------------------------------------------------ polling
-    def poll(self, store: dist.Store) -> list[WorkerExited]:
+    def poll(self, store: dist.Store, step_of: Callable[[int], int] = lambda rank: -1) -> list[WorkerExited]:
         """The workers that exited since the last look, first to exit first; each marked done or failed.
 
         A failed worker's event carries what the decision needs from the store: whether its rank registered
-        with the Supervisor, whether the run's final state or the job's stop is in.
+        with the Supervisor, whether the run's final state or the job's stop is in; and the step its progress
+        slot shows (``step_of``).
         """
         exited: list[tuple[Worker, int]] = []
         for w in self.table.values():
@@ -180,21 +179,30 @@ class Workers:
             return []
         # The first to exit is the cause; a survivor that aborted when its peer's connection closed follows it.
         exited.sort(key=lambda d: (self.exits.exited_at(d[0].proc.pid) or time.monotonic(), d[0].rank))
-        failures = {w.rank: self.failure(w, rc) for w, rc in exited if rc != 0}
+        final = store.check([Keys.FINAL])
+        supervised = {w.rank: store.check([Keys.supervised(w.rank)]) for w, _ in exited}
+        # A Supervisor rank that exits 0 before the run's final state is committed left its loop early: a fault.
+        early = {w.rank for w, rc in exited if rc == 0 and supervised[w.rank] and not final}
+        for w, _ in exited:
+            if w.rank in early:
+                w.state = WorkerState.FAILED
+        failures = {w.rank: self.failure(w, rc) for w, rc in exited if rc != 0 or w.rank in early}
         stop = read_stop(store) if failures else None
-        final = bool(failures) and store.check([Keys.FINAL])
         events = []
         for i, (w, rc) in enumerate(exited):
-            followed = tuple(failures[o.rank] for o, orc in exited[i + 1:] if orc != 0)
+            followed = tuple(failures[o.rank] for o, _ in exited[i + 1:] if o.rank in failures)
             events.append(WorkerExited(
                 rank=w.rank, pid=w.proc.pid, rc=rc, failure=failures.get(w.rank), followed=followed, stop=stop,
-                final=final, supervised=rc != 0 and store.check([Keys.supervised(w.rank)])))
+                final=final, supervised=supervised[w.rank], early=w.rank in early, step=step_of(w.rank)))
         return events
 
     def failure(self, w: Worker, rc: int) -> Failure:
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
         if w.cause is not None:
             return Failure(rank=w.rank, how=how, kind=w.cause["kind"], summary=kill_reason(w.cause))
+        if rc == 0:
+            return Failure(rank=w.rank, how=how, kind="early-exit", summary="left the training loop with exit code 0 "
+                           "before the job's end", at=self.exits.exited_at(w.proc.pid) or time.monotonic())
         w.output.drain()  # its last lines, the traceback among them, may still be in the pipe
         summary = w.output.failure_summary()
         kind = "signal" if rc < 0 else ("exception" if summary else "exit")

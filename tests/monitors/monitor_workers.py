@@ -23,7 +23,9 @@ def train_loop(run_dir: str, rank: int, plan: dict[str, Any], barrier: Any = Non
 
     plan keys: ``steps``; ``slow_rank``, ``slow_from``, ``slow_factor`` (a straggler);
     ``hang_at`` (a step) with ``hang`` in "spin", "block-data", "self-stop";
-    ``ticks`` (a shared counter a heartbeat thread bumps while the main thread hangs).
+    ``ticks`` (a shared counter a heartbeat thread bumps while the main thread hangs);
+    ``eval_at`` (a step) with ``eval_s`` seconds of work in ``eval_section`` (an evaluation inside the step:
+    by the main thread, or with ``eval_in_child`` by a child process the main thread waits for).
     """
     rep = ProgressReporter(run_dir, rank)
     step = 0
@@ -33,6 +35,8 @@ def train_loop(run_dir: str, rank: int, plan: dict[str, Any], barrier: Any = Non
             rep.enter(section, step)
             if step == plan.get("hang_at") and section == plan.get("hang_section", "forward"):
                 _hang(plan)
+            if step == plan.get("eval_at") and section == plan.get("eval_section", "forward"):
+                _evaluate(plan)
             if section == "all-reduce":
                 if barrier is not None:
                     try:
@@ -46,6 +50,20 @@ def train_loop(run_dir: str, rank: int, plan: dict[str, Any], barrier: Any = Non
         step += 1
     rep.enter("between-steps", step)
     rep.close()
+
+
+def _evaluate(plan: dict[str, Any]) -> None:
+    """Real work that takes ``eval_s`` seconds and then returns (the section makes no progress meanwhile)."""
+    seconds = float(plan["eval_s"])
+    if plan.get("eval_in_child"):
+        import subprocess
+
+        busy = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: sum(range(1000))"
+        subprocess.run([sys.executable, "-c", busy], check=True, timeout=seconds + 60)
+        return
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(1000))
 
 
 def _hang(plan: dict[str, Any]) -> None:

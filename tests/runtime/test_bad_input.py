@@ -35,10 +35,10 @@ def _run(tmp_path: Path, *flags: str) -> str:
 
 
 MONITOR_CONFIGS = {
-    "bad-yaml": ("hang: {default_timeout_s: [", "not valid YAML"),
+    "bad-yaml": ("hang: {idle_timeout_s: [", "not valid YAML"),
     "hang-list": ("hang: [1, 2]", "hang must be a mapping"),
     "port": ("metrics: {prometheus_port: 99999}", "prometheus_port must be in [0, 65535]"),
-    "nan": ("hang: {default_timeout_s: .nan}", "finite"),
+    "nan": ("hang: {idle_timeout_s: .nan}", "finite"),
     "billion-laughs": (LAUGHS, "aliases"),
     "unbindable-host": ("metrics: {prometheus_host: 192.0.2.1}", "cannot serve Prometheus on 192.0.2.1"),
 }

@@ -45,7 +45,7 @@ def _monitor_config(tmp_path: Path, hang: dict) -> str:
 def test_plain_loop_outlives_a_short_startup_timeout(tmp_path):
     # No progress reported: hang detection is off for the script, so a 6 s loop survives a 2 s startup timeout.
     out = _out(tmp_path)
-    cfg = _monitor_config(tmp_path, {"startup_timeout_s": 2.0, "default_timeout_s": 2.0})
+    cfg = _monitor_config(tmp_path, {"startup_timeout_s": 2.0, "idle_timeout_s": 2.0})
     job = _run(tmp_path, "--nproc-per-node", "2", "--monitor-config", cfg, str(LOOP), str(out), "6")
     assert job.returncode == 0, job.stderr[-3000:]
     assert "hang detection is off for allreduce_loop.py" in job.stderr
@@ -56,7 +56,7 @@ def test_plain_loop_outlives_a_short_startup_timeout(tmp_path):
 @pytest.mark.timeout(120)
 def test_heartbeat_turns_hang_detection_on_and_the_kill_is_said(tmp_path):
     out = _out(tmp_path)
-    cfg = _monitor_config(tmp_path, {"computed": False, "default_timeout_s": 3.0})
+    cfg = _monitor_config(tmp_path, {"computed": False, "idle_timeout_s": 3.0})
     job = _run(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-config", cfg,
                str(HEARTBEAT_LOOP), str(out), "4", env={"HANG_RANK": "1"})
     assert job.returncode == 0, job.stderr[-3000:]

@@ -207,7 +207,7 @@ def test_a_stopped_agents_node_is_fenced_before_the_spare_replaces_it_and_every_
     machine's speed: only the stopped agent would have killed it as hung, and node 0's agent must not kill its
     own ranks, which wait on rank 2, before the loss (a hang floor of 60 s)."""
     monitor = tmp_path / "monitor.json"
-    monitor.write_text(json.dumps({"hang": {"min_timeout_s": 60.0}, "metrics": {"prometheus": False}}))
+    monitor.write_text(json.dumps({"hang": {"idle_timeout_s": 60.0}, "metrics": {"prometheus": False}}))
     c = cluster_factory(nnodes=2, steps=40, node_timeout=2.0, agent_args=["--monitor-config", str(monitor)],
                         chaos=[{"kind": "block", "rank": 2, "step": 8, "phase": "forward"}])
     c.start("node0", node_rank=0)

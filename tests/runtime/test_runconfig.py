@@ -76,8 +76,8 @@ def test_sections_held_by_a_component_are_the_roots() -> None:
     ckpt = rt.CheckpointConfig(directory="/tmp/x", interval=3)
     run = RunConfig(supervisor=rt.SupervisorConfig(steps=5, checkpoint=ckpt))
     assert run.checkpoint == ckpt and run.supervisor.checkpoint is run.checkpoint
-    run = RunConfig(checkpoint=ckpt, monitors=rt.MonitorConfig(hang=rt.HangConfig(min_timeout_s=4.0)))
-    assert run.supervisor.checkpoint is ckpt and run.agent.monitor.hang.min_timeout_s == 4.0
+    run = RunConfig(checkpoint=ckpt, monitors=rt.MonitorConfig(hang=rt.HangConfig(idle_timeout_s=4.0)))
+    assert run.supervisor.checkpoint is ckpt and run.agent.monitor.hang.idle_timeout_s == 4.0
     with pytest.raises(ValueError, match="supervisor.checkpoint and checkpoint differ") as e:
         RunConfig(supervisor=rt.SupervisorConfig(checkpoint=ckpt),
                   checkpoint=rt.CheckpointConfig(directory="/tmp/y"))
@@ -92,7 +92,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
         agent=rt.AgentConfig(script=str(PRINT_CONFIG), nproc_per_node=2, max_restarts=2, env={"A": "1"},
                              output=rt.OutputConfig(redirects={1: Std.ALL},
                                                     local_ranks_filter=frozenset({0}))),
-        monitors=rt.MonitorConfig(hang=rt.HangConfig(timeouts_s={"forward": 9.0}, default_timeout_s=20.0),
+        monitors=rt.MonitorConfig(hang=rt.HangConfig(timeouts_s={"forward": 9.0}, idle_timeout_s=20.0),
                                   straggler=rt.StragglerConfig(policy="replace", sections=("forward",))),
         checkpoint=rt.CheckpointConfig(directory=tmp_path / "ck", interval=5, async_mode="disabled",
                                        local_keys=("rng",)),
@@ -153,7 +153,7 @@ BAD_FILES = {
     "unknown-section": ("superviser: {steps: 1}", "unknown key(s) ['superviser']"),
     "unknown-field": ("agent: {nproc: 2}", "agent: unknown key(s) ['nproc']"),
     "wrong-type": ("supervisor: {steps: ten}", "supervisor.steps must be an integer"),
-    "nan": ("monitors: {hang: {min_timeout_s: .nan}}", "monitors.hang.min_timeout_s must be a finite number"),
+    "nan": ("monitors: {hang: {idle_timeout_s: .nan}}", "monitors.hang.idle_timeout_s must be a finite number"),
     "range": ("agent: {master_port: 70000}", "agent.master_port"),
     "week": ("preemption: {grace_s: 1.0e+9}", "preemption.grace_s must be in [0, 604800]"),
     "section-type": ("checkpoint: 5", "checkpoint must be a mapping"),
@@ -181,7 +181,7 @@ def test_flags_win_over_the_file_and_the_file_over_srun(tmp_path: Path, monkeypa
     path.write_text(yaml.safe_dump({
         "supervisor": {"steps": 10},
         "agent": {"max_restarts": 3, "nproc_per_node": 2, "run_dir": str(tmp_path / "from-file"), "run_id": "mine"},
-        "monitors": {"hang": {"min_timeout_s": 4, "startup_timeout_s": 40}},
+        "monitors": {"hang": {"idle_timeout_s": 4, "startup_timeout_s": 40}},
         "checkpoint": {"interval": 5, "keep_last": 4},
     }))
     monkeypatch.setenv("SLURM_JOB_ID", "123")
@@ -195,7 +195,7 @@ def test_flags_win_over_the_file_and_the_file_over_srun(tmp_path: Path, monkeypa
     assert a.nproc_per_node == 2 and a.run_dir == str(tmp_path / "from-file")  # the file: no flag typed
     assert a.run_id == "mine" and a.master_addr == "localhost" and a.master_port == 29623  # file, then srun
     assert a.script == str(PRINT_CONFIG) and a.script_args == ["--x", "1"]
-    assert run.monitors.hang.min_timeout_s == 4 and run.monitors.hang.startup_timeout_s == 50  # --monitor-config
+    assert run.monitors.hang.idle_timeout_s == 4 and run.monitors.hang.startup_timeout_s == 50  # --monitor-config
     assert run.checkpoint is not None and (run.checkpoint.interval, run.checkpoint.keep_last) == (7, 4)
     assert run.supervisor.steps == 12 and run.supervisor.checkpoint is run.checkpoint
     # --SECTION.FIELD wins over torchrun's flag for the same field; no flag and no file: the field's default.
@@ -210,7 +210,7 @@ def test_bad_values_are_one_line_and_exit_2_from_the_real_command(tmp_path: Path
     run_dir = tmp_path / "run"
     for argv, needles in [
         (["--config", str(bad)], ("bad.yaml", "checkpoint.keep_last")),
-        (["--monitors.hang.default_timeout_s", "nan"], ("monitors.hang.default_timeout_s",)),
+        (["--monitors.hang.idle_timeout_s", "nan"], ("monitors.hang.idle_timeout_s",)),
         (["--agent.nnodes=0"], ("agent.nnodes",)),
     ]:
         assert_one_line_exit_2(cli("run", "--run-dir", str(run_dir), *argv, str(PRINT_CONFIG), timeout=60), *needles)
@@ -254,11 +254,11 @@ def test_the_effective_config_reaches_every_rank(tmp_path: Path, fresh_warnings:
             "--monitor-config", str(monitor), "--checkpoint.keep_last=5", str(PRINT_CONFIG), timeout=200)
     assert r.returncode == 0, r.stderr
     # The old name in --monitor-config: one warning line, and it still counts.
-    assert "resilient-train: warning: hang.default_timeout is deprecated: use hang.default_timeout_s" in r.stderr
+    assert "resilient-train: warning: hang.default_timeout is deprecated: use hang.idle_timeout_s" in r.stderr
     written = run_dir / "run-config.yaml"
     assert stat.S_IMODE(written.stat().st_mode) == 0o600
     effective = RunConfig.from_yaml(written)
-    assert effective.monitors.hang.default_timeout_s == 30.0 and effective.agent.nproc_per_node == 2
+    assert effective.monitors.hang.idle_timeout_s == 30.0 and effective.agent.nproc_per_node == 2
     ranks = sorted((json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")),
                    key=lambda d: d["rank"])
     assert [d["rank"] for d in ranks] == [0, 1], r.stdout
@@ -281,25 +281,29 @@ def test_old_duration_names_work_and_warn_once(fresh_warnings: None) -> None:
         warnings.simplefilter("always")
         a = rt.HangConfig(min_timeout=2.0, timeouts={"forward": 5.0})
         b = rt.HangConfig(min_timeout=2.5)
-        assert (a.min_timeout_s, a.timeouts_s, b.min_timeout_s) == (2.0, {"forward": 5.0}, 2.5)
-        assert a.default_timeout == a.default_timeout_s == 60.0 and a.longest_timeout == a.longest_timeout_s
+        assert (a.idle_timeout_s, a.timeouts_s, b.idle_timeout_s) == (2.0, {"forward": 5.0}, 2.5)
+        assert a.min_timeout_s == 2.0 and a.longest_timeout == a.longest_timeout_s
+        c = rt.HangConfig(default_timeout_s=30.0)  # the old floor of a section not yet computed: the idle floor now
+        assert c.idle_timeout_s == 30.0
         m = rt.MonitorConfig.from_dict({"hang": {"startup_timeout": 7, "long_section_timeout": 8}})
         assert (m.hang.startup_timeout_s, m.hang.long_section_timeout_s) == (7.0, 8.0)
     messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
     assert sorted(messages) == sorted([
-        "HangConfig(min_timeout=...) is deprecated: use HangConfig(min_timeout_s=...) (the old name goes in the next "
+        "HangConfig(min_timeout=...) is deprecated: use HangConfig(idle_timeout_s=...) (the old name goes in the next "
         "release)",
         "HangConfig(timeouts=...) is deprecated: use HangConfig(timeouts_s=...) (the old name goes in the next release)",
-        "HangConfig.default_timeout is deprecated: use HangConfig.default_timeout_s (the old name goes in the next "
+        "HangConfig.min_timeout_s is deprecated: use HangConfig.idle_timeout_s (the old name goes in the next "
         "release)",
+        "HangConfig(default_timeout_s=...) is deprecated: use HangConfig(idle_timeout_s=...) (the old name goes in "
+        "the next release)",
         "HangConfig.longest_timeout is deprecated: use HangConfig.longest_timeout_s (the old name goes in the next "
         "release)",
         "hang.startup_timeout is deprecated: use hang.startup_timeout_s (the old name goes in the next release)",
         "hang.long_section_timeout is deprecated: use hang.long_section_timeout_s (the old name goes in the next "
         "release)",
     ])  # once each: the second HangConfig(min_timeout=...) said nothing
-    with pytest.raises(TypeError, match="min_timeout and min_timeout_s are one field"):
-        rt.HangConfig(min_timeout=1.0, min_timeout_s=1.0)
+    with pytest.raises(TypeError, match="min_timeout and idle_timeout_s are one field"):
+        rt.HangConfig(min_timeout=1.0, idle_timeout_s=1.0)
 
 
 # ---------------------------------------------------------- the reference
