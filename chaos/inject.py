@@ -15,7 +15,10 @@ __all__ = ["InjectedFault", "Injector"]
 
 
 class InjectedFault(RuntimeError):
-    """The exception a ``raise`` fault throws inside a step."""
+    """The exception a ``raise`` fault throws inside a step. Each fault fires once: two of them are two faults,
+    never one bug raised again (``injected``: the supervisor's judge does not hold it against the rank)."""
+
+    injected = True
 
 
 class Injector:

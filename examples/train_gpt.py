@@ -15,6 +15,7 @@ import math
 import random
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -139,7 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *,
+         before_step: Callable[[rt.StepContext, nn.Module], None] | None = None) -> int:
+    """``before_step(ctx, model)``: what a loop does at the start of a step besides training (an evaluation
+    every N steps, say); it must leave the training state as it found it."""
     args = parse_args(argv)
     cfg = GPTConfig(d_model=args.d_model, layers=args.layers, heads=args.heads, seq_len=args.seq_len)
     run_dir = rt.WorkerEnv.from_environ().run_dir
@@ -171,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     state = rt.TrainState(model=model, optimizer=optimizer)
 
     def train_step(ctx: rt.StepContext) -> torch.Tensor:
+        if before_step is not None:
+            before_step(ctx, model)
         ctx.enter("data")
         # data_rank, not rank: a healthy peer re-running a suspect rank's step computes that rank's batch.
         x, y = batch(args.seed, ctx.step, ctx.data_rank, size=args.batch, cfg=cfg, device=ctx.device)

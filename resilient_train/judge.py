@@ -64,7 +64,7 @@ class Judge:
         if failure.kind is FailureKind.USAGE:
             return Stop(reason=str(exc), traceback="" if isinstance(exc, UsageError) else _text(exc))
         # An exception raised while the generation was already failing is a consequence, never a verdict.
-        if failure.kind is FailureKind.EXCEPTION and not generation_moved:
+        if failure.kind is FailureKind.EXCEPTION and not generation_moved and not getattr(exc, "injected", False):
             seen = self._exceptions.get(failure.signature)
             if seen is not None:
                 first, text = seen
