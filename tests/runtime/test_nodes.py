@@ -337,7 +337,7 @@ def test_sigterm_to_each_agent_in_turn_ends_every_node_in_75_on_time_and_the_run
 
 @pytest.mark.timeout(30)
 def test_slurm_environment_fills_the_node_flags():
-    from resilient_train.launch import first_host, slurm_defaults
+    from resilient_train.slurmenv import first_host, slurm_defaults
 
     env = {"SLURM_JOB_ID": "4711", "SLURM_NODEID": "2", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "gpu[07-10],cpu1"}
     assert slurm_defaults(env) == {"node_rank": 2, "run_id": "slurm-4711", "nnodes": 4, "master_addr": "gpu07",
