@@ -111,7 +111,8 @@ class SlurmCluster:
         self.root = Path(tempfile.mkdtemp(prefix=f"rt-slurm-{self.tag}-"))
         self.root.chmod(0o755)
         self.conf = self.root / "slurm.conf"
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        # A test session run inside a Slurm job (or a shell that had one) must not hand its SLURM_* on.
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_CONF": str(self.conf)}
         self.ctld_port = _free_port()
         self.node_ports = {name: _free_port() for name in self.nodes}
         self._munged: subprocess.Popen | None = None
@@ -263,19 +264,20 @@ class SlurmCluster:
         out = self._run("sinfo", "--noheader", "--Node", "--format=%N %T", check=False).stdout
         return {n for n, state in (line.split()[:2] for line in out.splitlines() if line.strip()) if state == "idle"}
 
-    def node_processes(self, name: str) -> set[int]:
-        """Every process of node ``name``: its slurmd, its job steps' tasks and what they started (they carry
-        ``SLURMD_NODENAME``), and the ``slurmstepd`` above them (its environment is Slurm's own)."""
+    def node_processes(self, name: str, *, daemons: bool = True) -> set[int]:
+        """Every process of node ``name``: its job steps' tasks and what they started (they carry
+        ``SLURMD_NODENAME``); with ``daemons``, its slurmd and the ``slurmstepd`` above the tasks too (their
+        environment is Slurm's own)."""
         out: set[int] = set()
         proc = self._slurmd.get(name)
-        if proc is not None and proc.poll() is None:
+        if daemons and proc is not None and proc.poll() is None:
             out.add(proc.pid)
         for pid in _pids():
             if pid != os.getpid() and _environ(pid).get("SLURMD_NODENAME") == name:
                 out.add(pid)
                 stat = _stat(pid)
                 parent = _stat(stat[1]) if stat is not None else None
-                if stat is not None and parent is not None and parent[0] == "slurmstepd":
+                if daemons and stat is not None and parent is not None and parent[0] == "slurmstepd":
                     out.add(stat[1])
         return out
 
@@ -296,11 +298,12 @@ class SlurmCluster:
             assert time.monotonic() < deadline, f"job {job}: processes {sorted(left)} left after {timeout} s"
             time.sleep(0.2)
 
-    def kill_node(self, name: str, *, timeout: float = 20.0) -> set[int]:
-        """SIGKILL every process of node ``name`` at once, as when its host dies, until none is left; the pids."""
+    def kill_node(self, name: str, *, daemons: bool = True, timeout: float = 20.0) -> set[int]:
+        """SIGKILL every process of node ``name`` at once, as when its host dies, until none is left; the pids.
+        ``daemons=False``: the job's processes only; Slurm's (``slurmd``, ``slurmstepd``) live on."""
         killed: set[int] = set()
         deadline = time.monotonic() + timeout
-        while alive := {pid for pid in self.node_processes(name) if not _gone(pid)}:
+        while alive := {pid for pid in self.node_processes(name, daemons=daemons) if not _gone(pid)}:
             assert time.monotonic() < deadline, f"processes of node {name} outlive SIGKILL: {sorted(alive)}"
             for pid in alive:
                 try:
@@ -309,8 +312,8 @@ class SlurmCluster:
                     pass
             killed |= alive
             time.sleep(0.05)  # a process it was starting may appear: look again
-        proc = self._slurmd.pop(name, None)
-        if proc is not None:
+        if daemons:
+            proc = self._slurmd.pop(name)
             proc.wait(timeout=timeout)
         return killed
 

@@ -154,26 +154,31 @@ def test_a_job_stopped_as_a_bug_is_not_requeued(slurm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_a_node_killed_with_its_slurmd_is_taken_over_by_the_spare_node_and_the_job_completes(
-        slurm, tmp_path, references):
-    """3 nodes, the last a spare (RT_SPARE_NODES=1), --no-kill: node 1's slurmd, slurmstepd, agent and rank
-    are SIGKILLed at once mid-run, as when its host dies. The spare takes over node 1's rank, the job finishes
-    bitwise; Slurm declares the node down and keeps the job (--no-kill), which ends COMPLETED with node 0's
-    code (srun's own is the lost task's)."""
+@pytest.mark.parametrize("lost", ["host", "processes"])
+def test_a_lost_node_is_taken_over_by_the_spare_node_and_the_job_completes(slurm, tmp_path, references, lost):
+    """3 nodes, the last a spare (RT_SPARE_NODES=1), --no-kill. Node 1 is lost mid-run: its host dies (its
+    slurmd, slurmstepd, task shell, agent and rank SIGKILLed at once), or only the job's processes on it die
+    (slurmd lives: Slurm keeps the node, and srun reports the task killed, 137). The spare takes over node 1's
+    rank and the job finishes bitwise; Slurm keeps the job (--no-kill; a dead host is declared down), which
+    ends COMPLETED: the template takes node 0's agent's code, not srun's."""
     job = submit(slurm, tmp_path, nodes=3, spare_nodes=1, script=gpt(), chaos=SLOWED, options=["--no-kill"])
-    nodes = slurm.nodes  # the job holds all three: node i of the job is the cluster's node i
+    node1 = slurm.nodes[1]  # the job holds all three nodes: node i of the job is the cluster's node i
     job.wait_event(lambda e: e["event"] == "spare_ready" and e["source"] == "agent-spare", timeout=150)
     job.wait_event(lambda e: e["event"] == "step_done" and e["step"] >= 5, timeout=150)
     try:
-        killed = slurm.kill_node(nodes[1])
-        assert len(killed) >= 4, killed  # slurmd, slurmstepd, the task's shell, the agent, its rank
+        killed = slurm.kill_node(node1, daemons=lost == "host")
+        # The task's shell, the agent, its rank, its warm spare; the host: slurmd and slurmstepd too.
+        assert len(killed) >= (6 if lost == "host" else 4), killed
         fields = slurm.wait_ended(job.id, timeout=240)
     finally:
         slurm.wait_job_gone(job.id, timeout=120)
-        slurm.start_node(nodes[1])  # back for the next test (ReturnToService=2)
+        if lost == "host":
+            slurm.start_node(node1)  # back for the next test (ReturnToService=2)
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), job.tail()
-    lost = job.events("node_lost")
-    assert [(e["node"], e["spare"]) for e in lost] == [(1, 0)], lost
+    lost_events = job.events("node_lost")
+    assert [(e["node"], e["spare"]) for e in lost_events] == [(1, 0)], lost_events
     assert {(e["source"], e["ok"]) for e in job.events("agent_end")} == {("agent0", True), ("agent-spare", True)}
+    if lost == "processes":
+        assert "rt: srun exited 137, node 0's agent 0: the job's code is 0" in job.tail()
     d = ckpt_diff(references.get(2, STEPS), job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
