@@ -19,9 +19,10 @@ tracked by their parents (``proctrack/linuxproc``: no cgroups here), no
 GRES, no accounting (``scontrol show job`` reads a job's state; finished jobs
 stay for an hour).
 
-:meth:`SlurmCluster.stop` ends what it started and only that: the jobs (by
-their ids), the processes of its nodes' job steps, then its daemons by their
-process ids.
+:meth:`SlurmCluster.stop` ends what it started and only that: its jobs (by
+their ids), the processes of its nodes (a job's processes carry the node's
+name in ``SLURMD_NODENAME``; a ``slurmstepd`` keeps its node's log open),
+then its daemons by their process ids.
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return name, int(text[text.rindex(")") + 2:].split()[1])
 
 
+def _open_files(pid: int) -> set[str]:
+    out = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return out
+
+
 def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
@@ -141,7 +155,7 @@ class SlurmCluster:
         """Cancel this cluster's jobs, kill what is left of their steps, stop the daemons; undo /etc/hosts."""
         if self._ctld is not None and self._ctld.poll() is None and self._jobs:
             self._run("scancel", *self._jobs, check=False)
-        for name in list(self._slurmd):
+        for name in self.nodes:
             self.kill_node(name)
         for proc in (self._ctld, self._munged):
             if proc is not None and proc.poll() is None:
@@ -204,7 +218,7 @@ class SlurmCluster:
             "ReturnToService=2",  # a node that was down is back as soon as its slurmd registers again
             f"SlurmdTimeout={self.slurmd_timeout_s}",  # a node whose slurmd is gone is down within seconds
             "MessageTimeout=5",
-            "KillWait=30",  # from a cancel's SIGTERM to its SIGKILL (Slurm's default)
+            "KillWait=60",  # from a cancel's SIGTERM to its SIGKILL: the agents' preemption grace (Slurm's default: 30)
             "MinJobAge=3600",  # finished jobs stay in scontrol show job
             "InactiveLimit=0",
         ]
@@ -266,19 +280,20 @@ class SlurmCluster:
 
     def node_processes(self, name: str, *, daemons: bool = True) -> set[int]:
         """Every process of node ``name``: its job steps' tasks and what they started (they carry
-        ``SLURMD_NODENAME``); with ``daemons``, its slurmd and the ``slurmstepd`` above the tasks too (their
-        environment is Slurm's own)."""
+        ``SLURMD_NODENAME``); with ``daemons``, its slurmd and its ``slurmstepd`` processes too (their
+        environment is Slurm's own, but they keep their node's slurmd log open)."""
         out: set[int] = set()
         proc = self._slurmd.get(name)
         if daemons and proc is not None and proc.poll() is None:
             out.add(proc.pid)
+        log = str(self.root / f"slurmd-{name}.log")
         for pid in _pids():
-            if pid != os.getpid() and _environ(pid).get("SLURMD_NODENAME") == name:
+            if pid == os.getpid():
+                continue
+            if _environ(pid).get("SLURMD_NODENAME") == name:
                 out.add(pid)
-                stat = _stat(pid)
-                parent = _stat(stat[1]) if stat is not None else None
-                if daemons and stat is not None and parent is not None and parent[0] == "slurmstepd":
-                    out.add(stat[1])
+            elif daemons and (_stat(pid) or ("", 0))[0] == "slurmstepd" and log in _open_files(pid):
+                out.add(pid)
         return out
 
     def job_processes(self, job: str) -> set[int]:
@@ -312,8 +327,8 @@ class SlurmCluster:
                     pass
             killed |= alive
             time.sleep(0.05)  # a process it was starting may appear: look again
-        if daemons:
-            proc = self._slurmd.pop(name)
+        proc = self._slurmd.pop(name, None) if daemons else None
+        if proc is not None:
             proc.wait(timeout=timeout)
         return killed
 
