@@ -11,15 +11,14 @@ start of the job and which requeue it was.
 
 from __future__ import annotations
 
-import os
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = ["SLURM_PORT_BASE", "first_host", "slurm_defaults", "slurm_job"]
 
 SLURM_PORT_BASE = 29500  # under srun without --master-port: 29500 + the job id's last three digits
 
 
-def slurm_defaults(environ: "os._Environ[str] | Mapping[str, str]", *, spare: bool = False) -> dict[str, object]:
+def slurm_defaults(environ: Mapping[str, str], *, spare: bool = False) -> dict[str, object]:
     """What ``srun`` tells each task: nodes, this node's index, the first host as node 0, the job id.
 
     Flags given on the command line win over these. A spare node (``--spare``) takes no node rank from
@@ -41,7 +40,7 @@ def slurm_defaults(environ: "os._Environ[str] | Mapping[str, str]", *, spare: bo
     return out
 
 
-def slurm_job(environ: "os._Environ[str] | Mapping[str, str]") -> dict[str, object]:
+def slurm_job(environ: Mapping[str, str]) -> dict[str, object]:
     """The job id and how many times Slurm started it before (0 at the first start, 1 after one requeue),
     as ``agent_start``'s fields; nothing outside a Slurm job."""
     if "SLURM_JOB_ID" not in environ:
