@@ -22,6 +22,7 @@ from resilient_train.agent.config import SIGNALS
 from resilient_train.entry import Entry, EntryKind
 from resilient_train.jobtoken import read_token_file
 from resilient_train.runconfig import RunConfig, parse_key_value
+from resilient_train.slurmenv import slurm_defaults
 from resilient_train.workerio import parse_std_streams
 
 __all__ = ["RC", "add_run_arguments", "agent_fields"]
@@ -248,7 +249,8 @@ def agent_fields(args: argparse.Namespace, given: set[str], base: dict[str, Any]
     the whole config is built. ``ValueError`` with a one-line message for a bad flag."""
     _refuse(args)
     out: dict[str, Any] = {}
-    slurm = slurm_defaults(os.environ)
+    spare = args.spare if "spare" in given else bool(base.get("spare", False))
+    slurm = slurm_defaults(os.environ, spare=spare)
     for dest, name, read in (("nnodes", "nnodes", _nnodes), ("nproc_per_node", "nproc_per_node", _nproc),
                              ("node_rank", "node_rank", int), ("master_addr", "master_addr", str),
                              ("master_port", "master_port", int), ("rdzv_id", "run_id", str)):
@@ -329,34 +331,3 @@ def _ranks_filter(value: str, nproc: int) -> frozenset[int] | None:
     if bad:
         raise ValueError(f"--local-ranks-filter: local rank {bad[0]} is not in [0, {nproc})")
     return ranks
-
-
-SLURM_PORT_BASE = 29500  # under srun without --master-port: 29500 + the job id's last three digits
-
-
-def slurm_defaults(environ: "os._Environ[str] | dict[str, str]") -> dict[str, object]:
-    """What ``srun`` tells each task: nodes, this node's index, the first host as node 0, the job id.
-
-    Flags given on the command line win over these.
-    """
-    if "SLURM_JOB_ID" not in environ or "SLURM_NODEID" not in environ:
-        return {}
-    out: dict[str, object] = {"node_rank": int(environ["SLURM_NODEID"]), "run_id": f"slurm-{environ['SLURM_JOB_ID']}"}
-    nnodes = environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES")
-    if nnodes:
-        out["nnodes"] = int(nnodes)
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    if nodelist:
-        out["master_addr"] = first_host(nodelist)
-    out["master_port"] = SLURM_PORT_BASE + int(environ["SLURM_JOB_ID"]) % 1000
-    return out
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: ``gpu[03-05,07],cpu1`` -> ``gpu03``."""
-    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[: nodelist.index("]") + 1]
-    if "[" not in head:
-        return head
-    prefix, _, ranges = head.partition("[")
-    first = ranges.rstrip("]").split(",")[0].split("-")[0]
-    return prefix + first

@@ -46,6 +46,7 @@ from resilient_train import env as E
 from resilient_train import exitcodes
 from resilient_train.entry import Entry
 from resilient_train.rundir import RunDirError, take_run_dir
+from resilient_train.slurmenv import slurm_job
 from resilient_train.spares import SparePool, spare_env
 from resilient_train.store import Keys, current_generation
 from resilient_train.workerio import Console
@@ -132,8 +133,9 @@ class Agent:
     # ------------------------------------------------------------- the run
     def run(self) -> int:
         c = self.config
+        # Under Slurm: the job id and SLURM_RESTART_COUNT, so each start of a requeued job is told apart.
         self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=self.entry.target,
-                         entry=self.entry.kind.value, args=c.script_args)
+                         entry=self.entry.kind.value, args=c.script_args, **slurm_job(os.environ))
         self._announce()
         if self._dashboard is not None:
             self._dashboard.start()

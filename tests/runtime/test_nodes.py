@@ -337,13 +337,38 @@ def test_sigterm_to_each_agent_in_turn_ends_every_node_in_75_on_time_and_the_run
 
 @pytest.mark.timeout(30)
 def test_slurm_environment_fills_the_node_flags():
-    from resilient_train.launch import first_host, slurm_defaults
+    from resilient_train.slurmenv import first_host, slurm_defaults
 
     env = {"SLURM_JOB_ID": "4711", "SLURM_NODEID": "2", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "gpu[07-10],cpu1"}
     assert slurm_defaults(env) == {"node_rank": 2, "run_id": "slurm-4711", "nnodes": 4, "master_addr": "gpu07",
                                    "master_port": 29500 + 711}
     assert slurm_defaults({"SLURM_JOB_ID": "1"}) == {}  # not inside a step: no node of its own
     assert [first_host(x) for x in ("n1,n2", "a[3,5-6]", "solo")] == ["n1", "a3", "solo"]
+
+
+def test_under_srun_a_spare_takes_no_node_rank_and_a_requeued_job_says_which_start_it_is(tmp_path, monkeypatch):
+    """The Slurm template's spare nodes are the allocation's last (SLURM_NODEID past the job's nodes): a --spare
+    agent takes no node rank from SLURM_NODEID. Each agent_start carries the job id and SLURM_RESTART_COUNT."""
+    import argparse
+
+    from resilient_train.launch import add_run_arguments, agent_fields
+    from resilient_train.slurmenv import slurm_defaults, slurm_job
+
+    env = {"SLURM_JOB_ID": "4711", "SLURM_NODEID": "2", "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "localhost,n2,n3"}
+    assert slurm_defaults(env, spare=True) == {"run_id": "slurm-4711", "nnodes": 3, "master_addr": "localhost",
+                                               "master_port": 29500 + 711}
+    assert slurm_job(env) == {"slurm_job_id": "4711", "slurm_restart_count": 0}  # unset at the first start
+    assert slurm_job({**env, "SLURM_RESTART_COUNT": "2"})["slurm_restart_count"] == 2
+    assert slurm_job({}) == {}
+    # What the template runs on its spare node: the flags win, SLURM_NODEID is not its node rank.
+    p = argparse.ArgumentParser()
+    add_run_arguments(p)
+    args = p.parse_args(["--nnodes", "2", "--spare", "--run-dir", str(tmp_path), str(GPT)])
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)  # srun's environment, read by agent_fields
+    fields = agent_fields(args, {"nnodes", "spare", "run_dir"}, {})
+    assert (fields["nnodes"], fields["spare"], "node_rank" in fields) == (2, True, False)
+    assert (fields["master_addr"], fields["master_port"]) == ("localhost", 29500 + 711)
 
 
 @pytest.mark.timeout(120)
