@@ -21,16 +21,18 @@ from monitors.safefiles import append_bytes
 __all__ = ["MAX_LINE_BYTES", "EventLog", "read_events"]
 
 MAX_LINE_BYTES = 1 << 20  # a longer line is not one of ours (hang stacks are capped at a few KiB)
+_WARNED: set[Path] = set()  # the logs this process said it cannot write to (once each: the agent has several)
 
 
 class EventLog:
     """Appends events to ``path``; ``None`` makes a log that drops everything."""
 
-    def __init__(self, path: str | os.PathLike[str] | None, *, source: str) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None, *, source: str, warn: bool = True) -> None:
+        """``warn``: a failed write is told on stderr (once per file and process); a rank under the agent
+        leaves it to the agent, which writes to the same file."""
         self.path = Path(path) if path is not None else None
         self.source = source
-        self._warned = False  # a failed write was told on stderr
-        self._torn = False  # the last write stopped mid-line (a full disk): the next one ends that line first
+        self._warn = warn
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -39,13 +41,12 @@ class EventLog:
         the log must not take down the party reporting the trouble."""
         record = {"time": time.time(), "event": event, "source": self.source, **fields}
         if self.path is not None:
-            line = ("\n" if self._torn else "") + json.dumps(record, sort_keys=False, default=str) + "\n"
-            data = line.encode()
+            line = json.dumps(record, sort_keys=False, default=str) + "\n"
             try:
-                self._torn = append_bytes(self.path, data) < len(data)
+                append_bytes(self.path, line.encode())
             except OSError as e:
-                if not self._warned:
-                    self._warned = True
+                if self._warn and self.path not in _WARNED:
+                    _WARNED.add(self.path)
                     print(f"resilient-train: cannot write events to {self.path}: {e.strerror or e}; "
                           "events are dropped while it fails", file=sys.stderr, flush=True)
         return record

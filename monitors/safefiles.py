@@ -13,6 +13,7 @@ private to its owner).
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -92,12 +93,20 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = Tru
     return path
 
 
-def append_bytes(path: str | os.PathLike[str], data: bytes) -> int:
-    """Appends ``data`` with one ``write`` (lines from several processes never interleave); returns the bytes
-    written, fewer than ``len(data)`` when the filesystem filled up mid-write."""
+def append_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Appends ``data`` with one ``write`` (lines from several processes never interleave).
+
+    A write the filesystem cut short (it filled up) is taken back (the file is truncated to where the write
+    began) and raises ``ENOSPC``: a reader never finds half a record, nor the next record glued to it."""
     fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        return os.write(fd, data)
+        n = os.write(fd, data)
+        if n < len(data):
+            try:
+                os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - n)
+            except OSError:
+                pass
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a short write to {path}, taken back)")
     finally:
         os.close(fd)
 

@@ -24,17 +24,17 @@ from chaos import Phase
 from monitors import EventLog
 from monitors.stacks import install_stack_dump
 from resilient_train import env as envvars
-from resilient_train.config import SupervisorConfig
 from resilient_train.assemble import build_parts, disk_checkpoints
 from resilient_train.buddy import BuddyCopies
+from resilient_train.config import SupervisorConfig
 from resilient_train.context import StepContext, StepFn
 from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_before_run
 from resilient_train.disk import DEFAULT_TIMEOUT_S, DiskCheckpoints, default_checkpoint_config
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
 from resilient_train.finish import close_failed, end_run, finish_job
 from resilient_train.generation import Membership, ResumeSource, RunFinished
-from resilient_train.group import (RELEASE_AT_EXIT_S, abort_nccl, backend_device, build_group, join_releases,
-                                   release_group, release_retired)
+from resilient_train.group import RELEASE_AT_EXIT_S, abort_nccl, backend_device, build_group, join_releases
+from resilient_train.group import release_group, release_retired
 from resilient_train.heal import restore_from_disk, restore_live
 from resilient_train.judge import Judge, Stop
 from resilient_train.lifecycle import Lifecycle, SupervisorState
@@ -68,7 +68,8 @@ class Supervisor:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.backend, self.device = backend_device(config.backend, self.env.local_rank)
         self.run_dir = Path(self.env.run_dir) if self.env.run_dir else None
-        self.events = EventLog(self.run_dir / "events.jsonl" if self.run_dir else None, source=f"rank{self.env.rank}")
+        self.events = EventLog(self.run_dir / "events.jsonl" if self.run_dir else None, source=f"rank{self.env.rank}",
+                               warn=not self.env.under_agent)
         self.lifecycle = Lifecycle()
         self.generation = -1
         self._progress_generation = -1  # the generation the rank is in, or heading to once it left one
@@ -92,9 +93,8 @@ class Supervisor:
     def ddp(self, model: torch.nn.Module, **ddp_kwargs: Any) -> ReplicatedModule:
         """``model`` data-parallel: call what this returns as you would a DDP model.
 
-        DDP is built again on every generation's group, its buckets the
-        supervisor's fixed plan (bitwise across recoveries, overlapping
-        backward, nothing copied). ``ddp_kwargs`` go to DDP.
+        DDP is built again on every generation's group, its buckets the supervisor's fixed plan (bitwise
+        across recoveries, overlapping backward, nothing copied). ``ddp_kwargs`` go to DDP.
         """
         wrapped = ReplicatedModule(model, ddp_kwargs, phase=lambda name: self.stepper.auto_phase(name))
         self._ddps.append((wrapped, None))

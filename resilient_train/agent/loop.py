@@ -192,8 +192,7 @@ class Agent:
                     return
 
     def _excuse(self, paused_s: float) -> None:
-        """The agent did not run for ``paused_s`` (resilient_train.agent.clock): nothing of it is charged to the
-        ranks or to the other nodes."""
+        """The agent did not run for ``paused_s`` (agent.clock): not charged to the ranks or the other nodes."""
         now = time.monotonic()
         if self.hangs.monitor is not None:
             self.hangs.monitor.hangs.paused(now)
