@@ -30,6 +30,7 @@ class FaultKind(str, Enum):
     HANG = "hang"  # SIGSTOP of the rank's process (the agent's hang detection must catch it)
     SPIN = "spin"  # the main thread spins in C code holding the GIL (no other thread runs)
     BLOCK = "block"  # the main thread blocks forever while its other threads run (e.g. data loading)
+    DEADLOCK = "deadlock"  # the main thread waits on an event no thread will set (a deadlock, a queue never fed)
     SLOW = "slow"  # the rank is slowed down for duration_s (a straggler): each entry to the phase sleeps
     TERM = "term"  # SIGTERM of the rank's process (preemption of one rank)
     NETBREAK = "netbreak"  # the rank's process-group connections are shut down (not the store's)

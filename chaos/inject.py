@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 import time
 from typing import Callable
 
@@ -74,6 +75,8 @@ class Injector:
         elif fault.kind is FaultKind.BLOCK:
             r, _w = os.pipe()
             os.read(r, 1)  # nothing is ever written
+        elif fault.kind is FaultKind.DEADLOCK:
+            threading.Event().wait()  # nobody holds it to set it
         elif fault.kind is FaultKind.TERM:
             os.kill(os.getpid(), signal.SIGTERM)
         elif fault.kind is FaultKind.SLOW:

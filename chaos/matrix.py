@@ -30,7 +30,7 @@ SMALL_GPT = ("--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "1
 UNSUPPORTED: tuple[str, ...] = (CORRUPT_CKPT,)
 _DURATIONS = {"slow": 1.0, "store-outage": 1.5}
 # Kinds whose recovery passes through the 'heal' phase (a new generation).
-RECOVERING = frozenset({"kill", "raise", "hang", "spin", "block", "term", "netbreak"})
+RECOVERING = frozenset({"kill", "raise", "hang", "spin", "block", "deadlock", "term", "netbreak"})
 # Value faults act on the loss or the gradients of their step, whatever the phase: one column, like driver kinds.
 VALUE_KINDS = frozenset(k.value for k in _VALUE_KINDS)
 # A genuine loss spike is skipped by policy: the state cannot equal a run without it. Its own job, no bitwise check.
@@ -38,6 +38,7 @@ NOT_BITWISE: frozenset[str] = frozenset({"spike"})
 # The quick matrix's phase per kind. A hang "at" the optimizer phase reads, to the hang detector, as a
 # rank still in the all-reduce, beside peers waiting in the next one (see the README's chaos section).
 QUICK_PHASES = {"kill": "optimizer", "raise": "forward", "hang": "backward", "spin": "all-reduce", "block": "data",
+                "deadlock": "optimizer",
                 "slow": "between-steps", "term": "heal", "netbreak": "all-reduce", "nan": "forward",
                 "bitflip": "backward", "spike": "forward"}
 

@@ -21,7 +21,7 @@ _DETECTED_BY = {"corrupt-ckpt": ("checkpoint_invalid",), "term": ("preempting",)
 # driver requeues it, as a scheduler would); it has recovered when the new job trains from that checkpoint.
 _REQUEUED_KINDS = frozenset({"term"})
 # A stopped or stuck rank is detected when the agent kills it: the agent's fault_detected for that rank.
-_HANG_KINDS = frozenset({"hang", "spin", "block"})
+_HANG_KINDS = frozenset({"hang", "spin", "block", "deadlock"})
 _VALUE_KINDS = ("nan", "bitflip", "spike")  # judged by the rerun state machine, mostly without a new generation
 
 

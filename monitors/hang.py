@@ -6,7 +6,7 @@ looked at more closely (:mod:`monitors.activity`: its process state and the
 CPU its processes use), and judged by what it does:
 
 * **stopped** (SIGSTOP, a debugger) while the agent itself runs: hung after
-  ``stopped_timeout_s`` (5 s). A stopped process cannot be working.
+  ``stopped_timeout_s`` (3 s). A stopped process cannot be working.
 * **idle**: outside a collective, its processes (every thread, and its
   children such as DataLoader workers) used no CPU: hung after
   ``idle_timeout_s`` (60 s) or the section's computed timeout, whichever is
@@ -96,7 +96,7 @@ class HangConfig:
     computed: bool = True  # timeouts computed from the durations observed (else the floors below)
     safety_factor: float = 5.0  # a computed timeout: this times the longest duration seen for the section
     min_observations: int = 10  # times a section is seen, across ranks, before its timeout is computed
-    stopped_timeout_s: float = 5.0  # a rank stopped (SIGSTOP, a debugger) while its agent runs
+    stopped_timeout_s: float = 3.0  # a rank stopped (SIGSTOP, a debugger) while its agent runs
     idle_timeout_s: float = 60.0  # a rank whose processes use no CPU (a deadlock, a lost I/O), at least
     busy_timeout_s: float = 1800.0  # a rank that computes (an evaluation, a long step) or waits on other nodes, at least
     startup_timeout_s: float = 300.0  # before a rank's first progress, and in "startup"

@@ -31,6 +31,8 @@ HUNG = 2
         ("hang", "forward"),  # SIGSTOP
         ("spin", "backward"),  # spinning in C code with the GIL held
         ("block", "data"),  # data loading that never returns, other threads alive
+        # waiting on an event nobody sets, after the reduction: behind its peers, which wait in the next one
+        pytest.param("deadlock", "optimizer", marks=pytest.mark.slow),
         # stopped before the collective: its peers block inside it (SIGSTOP is in the quick set above)
         pytest.param("hang", "all-reduce", marks=pytest.mark.slow),
     ],
@@ -46,7 +48,7 @@ def test_hang_detected_killed_and_recovered_bitwise(tmp_path, references, kind, 
     assert len(detected) == 1, job.of("hang_detected")
     hang = detected[0]
     assert hang["waiting_on"] == [] and hang["step"] in (4, 5)  # stopped before entering step 5's phase
-    assert hang["evidence"] == {"hang": "stopped", "spin": "busy", "block": "idle"}[kind], hang
+    assert hang["evidence"] == {"hang": "stopped", "spin": "busy", "block": "idle", "deadlock": "idle"}[kind], hang
     # Detection latency, as the agent measured it: within the timeout plus 2 s.
     assert hang["timeout_s"] < hang["for_s"] <= hang["timeout_s"] + 2.0
     # Peers that waited in the collective were reported as waiting on the hung rank, never killed.
@@ -64,7 +66,9 @@ def test_hang_detected_killed_and_recovered_bitwise(tmp_path, references, kind, 
         assert 'chaos/inject.py", line' in stacks[0]["stacks"] and "in _fire" in stacks[0]["stacks"], stacks[0]
         out = io.StringIO()
         assert status_main([str(job.run_dir)], out=out) == 0
-        assert re.search(r"hang rank 2 at step \d+ \([\w-]+\), stuck in \S+chaos/inject.py:\d+ in _fire", out.getvalue())
+        # The innermost frame: the fault's own line, or (a deadlock) the wait it made in threading.py.
+        where = r"\S+threading.py:\d+ in wait" if kind == "deadlock" else r"\S+chaos/inject.py:\d+ in _fire"
+        assert re.search(r"hang rank 2 at step \d+ \([\w-]+\), stuck in " + where, out.getvalue()), out.getvalue()
     agent_faults = [e for e in job.of("fault_detected") if e["source"] == "agent"]
     assert [(e["rank"], e["kind"]) for e in agent_faults] == [(HUNG, "hang")]
     respawned = [e["rank"] for e in job.of("worker_spawned") if e["replacement"]]
