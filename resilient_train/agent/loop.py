@@ -267,7 +267,7 @@ class Agent:
                              restarts=self.restarts, **extra)
             self.lifecycle.end(d.exit_code, d.reason)
         elif isinstance(d, ev.Fence):
-            self.ending.fence(d.how, restarts=self.restarts)
+            self.ending.fence(d.how, restarts=self.restarts, line=d.line)
         elif isinstance(d, ev.EnableSpares):
             assert self.spares is not None
             self.spares.enable()
@@ -370,7 +370,8 @@ class Agent:
         if self._dashboard is not None:
             self._dashboard.close()
         self.workers.close()
-        self.persist.save()
+        if AgentState.FENCED not in self.lifecycle.history:  # fenced: the node's monitor state is another agent's
+            self.persist.save()
         self.hangs.close()
         if self.spares is not None:
             self.spares.close()
