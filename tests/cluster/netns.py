@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["Network", "Node", "sweep", "unavailable"]
+__all__ = ["Network", "Node", "alive", "sweep", "unavailable"]
 
 ETC_NETNS = Path("/etc/netns")
 IFNAME = "eth0"  # a node's interface, inside its namespace
@@ -143,12 +143,13 @@ def _netns_pids(ns: str) -> list[int]:
     return [int(p) for p in out if p.isdigit()]
 
 
-def _kill_netns(ns: str, timeout_s: float = 10.0) -> list[int]:
-    """SIGKILLs every process in ``ns`` until none is left (a dying agent's children die with it); returns them."""
+def _kill_netns(ns: str, timeout_s: float = 10.0, also: Sequence[int] = ()) -> list[int]:
+    """SIGKILLs every process in ``ns`` until none is left, and ``also`` (processes started for it that may not
+    have entered it yet: ``ip netns exec`` before its setns); returns their pids."""
     killed: list[int] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = [p for p in _netns_pids(ns) if _alive(p)]
+        pids = sorted({p for p in [*_netns_pids(ns), *also] if alive(p)})
         if not pids:
             return killed
         if time.monotonic() > deadline:
@@ -162,7 +163,7 @@ def _kill_netns(ns: str, timeout_s: float = 10.0) -> list[int]:
         time.sleep(0.02)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """``pid`` runs (a zombie, dead and not yet reaped, does not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
@@ -181,6 +182,8 @@ class Node:
     port: str  # the veth's end on the bridge, in the root namespace
     network: "Network" = field(repr=False)
     procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    is_cut: bool = False
+    bridge: str = ""  # the bridge its port is on (the network's, or a partition's)
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` as run in this node: its namespace and its host name."""
@@ -200,11 +203,11 @@ class Node:
 
     def pids(self) -> list[int]:
         """Every live process in this node's namespace."""
-        return [p for p in _netns_pids(self.netns) if _alive(p)]
+        return [p for p in _netns_pids(self.netns) if alive(p)]
 
     def kill(self) -> list[int]:
         """SIGKILLs every process of this node at once (its host died); returns their pids."""
-        killed = _kill_netns(self.netns)
+        killed = _kill_netns(self.netns, also=[p.pid for p in self.procs if p.poll() is None])
         self._reap()
         return killed
 
@@ -215,11 +218,26 @@ class Node:
             _ip("-n", self.netns, "link", "set", IFNAME, "down")
         else:
             _ip("link", "set", self.port, "down")
+        self.is_cut = True
 
-    def restore(self) -> None:
-        """Brings both ends of this node's link up again."""
+    def restore(self, timeout_s: float = 10.0) -> None:
+        """Brings both ends of this node's link up again, and returns once packets cross it: the kernel takes
+        a carrier's return into account up to a second later (linkwatch) and drops packets until then, with no
+        sign of it in the link's state. The probe: a TCP connection to a closed port of a node on the same
+        bridge, which answers (refused) only when packets flow both ways."""
         _ip("link", "set", self.port, "up")
         _ip("-n", self.netns, "link", "set", IFNAME, "up")
+        self.is_cut = False
+        peer = self.network.peer_of(self)
+        deadline = time.monotonic() + timeout_s
+        while peer is not None and not self._answered_by(peer):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}'s link carries nothing {timeout_s:g} s after its restore")
+
+    def _answered_by(self, peer: "Node") -> bool:
+        p = subprocess.run(["ip", "netns", "exec", self.netns, "timeout", "0.2", "bash", "-c",
+                            f"exec 3<>/dev/tcp/{peer.address}/9"], capture_output=True, text=True, timeout=30)
+        return p.returncode == 0 or "refused" in p.stderr
 
     def _reap(self) -> None:
         for p in self.procs:
@@ -274,7 +292,7 @@ class Network:
         _ip("-n", ns, "link", "set", IFNAME, "up")
         _ip("link", "set", port, "master", self.bridge)
         _ip("link", "set", port, "up")
-        self.nodes[name] = Node(name=name, netns=ns, address=address, port=port, network=self)
+        self.nodes[name] = Node(name=name, netns=ns, address=address, port=port, network=self, bridge=self.bridge)
 
     def _write_hosts(self) -> None:
         for node in self.nodes.values():
@@ -286,6 +304,11 @@ class Network:
             # Names from the hosts file only: the machine's DNS server is not on this network, and a lookup
             # that waits for it fails (c10d's reverse lookup of an IPv4-mapped address warns on every start).
             (d / "nsswitch.conf").write_text(_nsswitch())
+
+    def peer_of(self, node: Node) -> Node | None:
+        """A node ``node`` should reach now: on its bridge, its link not cut (None if there is none)."""
+        return next((n for n in self.nodes.values() if n is not node and n.bridge == node.bridge and not n.is_cut),
+                    None)
 
     def __getitem__(self, name: str) -> Node:
         return self.nodes[name]
@@ -309,11 +332,13 @@ class Network:
             _ip("link", "set", bridge, "up")
             for name in group:
                 _ip("link", "set", self.nodes[name].port, "master", bridge)
+                self.nodes[name].bridge = bridge
 
     def heal(self) -> None:
         """Every node on the main bridge again (a partition undone; cut links stay cut)."""
         for node in self.nodes.values():
             _ip("link", "set", node.port, "master", self.bridge)
+            node.bridge = self.bridge
         for bridge in self._bridges:
             _ip("link", "del", bridge, check=False)
         self._bridges.clear()
@@ -325,9 +350,9 @@ class Network:
             return
         self._closed = True
         errors = []
-        for ns in self._made_ns:
+        for node in self.nodes.values():
             try:
-                _kill_netns(ns)
+                _kill_netns(node.netns, also=[p.pid for p in node.procs if p.poll() is None])
             except RuntimeError as e:
                 errors.append(str(e))
         for node in self.nodes.values():
