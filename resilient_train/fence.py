@@ -83,9 +83,9 @@ class Fence:
         if self.fenced(store):
             self.leave(store, where)
 
-    def leave(self, store: dist.Store, where: str, *, say: bool = True) -> NoReturn:
-        """Records the fence, says so on stderr (``say``), acknowledges it if the store still answers, and exits
-        FENCED at once."""
+    def leave(self, store: dist.Store, where: str, *, say: bool = True, ack: bool = True) -> NoReturn:
+        """Records the fence, says so on stderr (``say``), acknowledges it (``ack``: not to a store that is gone,
+        whose calls may block for ever), and exits FENCED at once."""
         if self.run_dir is not None:
             try:
                 EventLog(Path(self.run_dir) / "events.jsonl", source=f"rank{self.rank}").emit(
@@ -102,7 +102,8 @@ class Fence:
         except OSError:
             pass
         try:
-            store.set(NodeKeys.fenced(self.node, self.incarnation, self.rank), str(time.time()))
+            if ack:
+                store.set(NodeKeys.fenced(self.node, self.incarnation, self.rank), str(time.time()))
         except Exception:  # noqa: BLE001  (the store went: the fence still holds, nothing more to tell)
             pass
         os._exit(exitcodes.FENCED)
@@ -129,4 +130,4 @@ def leave_if_cut_off(store: dist.Store) -> None:
     collective, exit FENCED), silently (its agent's line says it for the node); elsewhere it returns."""
     fence = _fence()
     if fence is not None and fence.node != 0:
-        fence.leave(store, "store lost", say=False)
+        fence.leave(store, "store lost", say=False, ack=False)
