@@ -46,7 +46,7 @@ class NetCluster:
         self._monitor = run_dir.parent / f"{run_dir.name}.monitor.json"
         self._monitor.write_text(json.dumps(MONITOR))
 
-    def command(self, *, node_rank: int | None = None, spare: bool = False) -> list[str]:
+    def command(self, *, node_rank: int | None = None, spare: bool = False, args: Iterable[str] = ()) -> list[str]:
         cmd = [sys.executable, "-m", "resilient_train.cli", "run", "--nnodes", str(self.nnodes),
                "--nproc-per-node", str(self.nproc), "--master-addr", self.master.address, "--master-port",
                str(PORT), "--rdzv-id", "netns-job", "--run-dir", str(self.run_dir), "--node-timeout",
@@ -54,14 +54,16 @@ class NetCluster:
         cmd += ["--spare"] if spare else ["--node-rank", str(node_rank)]
         if self.chaos:
             cmd += ["--chaos", json.dumps(self.chaos)]
-        cmd += self.agent_args
+        cmd += [*self.agent_args, *args]
         return [*cmd, str(GPT), "--steps", str(self.steps), *SMALL_GPT, *self.extra]
 
-    def start(self, node: Node, *, node_rank: int | None = None, spare: bool = False) -> subprocess.Popen:
-        """Starts an agent on ``node`` (known by the node's name); the first must be node 0's, on the first node."""
+    def start(self, node: Node, *, node_rank: int | None = None, spare: bool = False,
+              args: Iterable[str] = ()) -> subprocess.Popen:
+        """Starts an agent on ``node`` (known by the node's name), with ``args`` of its own; node 0's must be on
+        the first node."""
         assert spare or node_rank is not None
         assert node_rank != 0 or node is self.master, "node 0's agent serves the store on the first node's address"
-        p = node.popen(self.command(node_rank=node_rank, spare=spare), cwd=REPO, text=True,
+        p = node.popen(self.command(node_rank=node_rank, spare=spare, args=args), cwd=REPO, text=True,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
         self.agents[node.name] = p
         self.nodes[node.name] = node

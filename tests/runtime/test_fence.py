@@ -125,3 +125,20 @@ def test_every_call_through_the_bounded_store_ends_by_its_deadline_when_the_serv
     finally:
         server.kill()
         server.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_fenced_agent_leaves_its_nodes_monitor_state_to_the_agent_that_took_the_node(tmp_path: Path) -> None:
+    """The file is the node's, and the node is another agent's now: a fenced agent does not write it at its
+    close (an agent that ends otherwise does)."""
+    from jobs import GPT
+    from resilient_train.agent import Agent, AgentConfig, AgentState
+
+    for fenced in (False, True):
+        run_dir = tmp_path / f"run-{fenced}"
+        agent = Agent(AgentConfig(script=str(GPT), run_dir=str(run_dir)))
+        agent.lifecycle.to(AgentState.RUNNING)
+        if fenced:
+            agent.ending.fence("lost the store on 127.0.0.1:1", restarts=0)
+        agent.close()
+        assert (run_dir / ".monitors" / "timeouts.json").exists() is not fenced
