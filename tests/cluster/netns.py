@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -94,14 +95,15 @@ def _base36(n: int) -> str:
             return out
 
 
-def _owner(name: str) -> int | None:
+_NODE_NAME = re.compile(r"[a-z][a-z0-9]{0,30}")  # a host name
+_NETNS_NAME = re.compile(rf"{_PREFIX}([0-9a-z]+)-[0-9a-z]+-{_NODE_NAME.pattern}")  # what Network names
+_LINK_NAME = re.compile(rf"{_PREFIX}([0-9a-z]+)-[0-9a-z]+-(b\d*|v\d+|p\d+)")
+
+
+def _owner(name: str, pattern: re.Pattern[str]) -> int | None:
     """The pid of the test process that made ``name`` (a namespace or a link of this harness), or None."""
-    if not name.startswith(_PREFIX) or "-" not in name:
-        return None
-    try:
-        return int(name[len(_PREFIX):].split("-", 1)[0], 36)
-    except ValueError:
-        return None
+    m = pattern.fullmatch(name)
+    return int(m.group(1), 36) if m else None
 
 
 def sweep() -> list[str]:
@@ -109,7 +111,7 @@ def sweep() -> list[str]:
     returns the namespaces and links removed."""
     removed = []
     for ns in _ip("netns", "list", check=False).stdout.split():
-        pid = _owner(ns)
+        pid = _owner(ns, _NETNS_NAME)
         if pid is None or Path(f"/proc/{pid}").exists():
             continue
         try:
@@ -121,7 +123,7 @@ def sweep() -> list[str]:
         removed.append(ns)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(": ", 2)[1].split("@")[0] if line.count(": ") >= 2 else ""
-        pid = _owner(name)
+        pid = _owner(name, _LINK_NAME)
         if pid is not None and not Path(f"/proc/{pid}").exists():
             _ip("link", "del", name, check=False)
             removed.append(name)
@@ -255,6 +257,9 @@ class Network:
         names = [f"node{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
         if len(names) > 99:
             raise ValueError("at most 99 nodes")
+        bad = [n for n in names if not _NODE_NAME.fullmatch(n)]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(f"node names must be distinct host names (a-z, 0-9): {names}")
         # Every name carries the pid (sweep), in base 36: interface names have 15 characters at most.
         self.id = f"{_PREFIX}{_base36(os.getpid())}-{_base36(next(_counter))}"
         self.bridge = f"{self.id}-b"
@@ -362,5 +367,10 @@ class Network:
             shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
         for link in [*self._bridges, *reversed(self._made_links)]:
             _ip("link", "del", link, check=False)  # a veth's end inside a deleted namespace took its pair along
+        listed = _ip("netns", "list", check=False).stdout.split()
+        links = _ip("-o", "link", "show", check=False).stdout
+        errors += [f"namespace {ns} is still there" for ns in self._made_ns if ns in listed]
+        errors += [f"link {link} is still there" for link in [*self._bridges, *self._made_links]
+                   if f" {link}:" in links or f" {link}@" in links]
         if errors:
             raise RuntimeError("; ".join(errors))

@@ -7,10 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from cluster.netns import ETC_NETNS, Network, Node, alive, unavailable
+from cluster.netns import ETC_NETNS, Network, Node, _netns_pids, alive, unavailable
 from jobs import REPO
 
 # A node's TCP listener: accepts and closes connections until killed; says "ready" once it listens.
@@ -128,3 +129,37 @@ def test_the_agent_gives_gloo_the_interface_its_node_reaches_the_store_over(netw
                        text=True, check=True).stdout.split()
         # A node without a route to an address gets None: gloo keeps its own choice.
         assert out == ["eth0", "lo", "lo", "None", "None"], (node.name, out)
+
+
+LEAVE_BEHIND = """
+import os, signal, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from cluster.netns import Network
+net = Network(2)
+net["node1"].popen(["sleep", "600"], stdout=subprocess.DEVNULL)
+print(net.id, " ".join(n.netns for n in net.nodes.values()), flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)  # a test process killed before its close
+"""
+
+
+@pytest.mark.timeout(60)
+def test_what_a_killed_test_process_left_behind_is_removed_by_the_next_network(network):
+    tests = Path(__file__).resolve().parent.parent
+    p = subprocess.Popen([sys.executable, "-c", LEAVE_BEHIND, str(tests)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    left_id, *left_ns = p.stdout.readline().split()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 30
+    while not [pid for pid in _netns_pids(left_ns[1]) if alive(pid)]:  # its sleep entered the namespace
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    [sleeper] = [pid for pid in _netns_pids(left_ns[1]) if alive(pid)]
+    p.communicate("go\n", timeout=30)
+    assert p.returncode == -9
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert all(ns in listed for ns in left_ns)
+    network(1)  # sweeps first
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    assert not any(ns in listed for ns in left_ns) and left_id not in links and not alive(sleeper)
+    assert not list(ETC_NETNS.glob(f"{left_id}-*"))
