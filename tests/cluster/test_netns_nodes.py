@@ -106,13 +106,8 @@ def test_a_node_cut_off_mid_run_is_fenced_the_spare_takes_it_and_its_link_restor
     c.start(net["node2"], spare=True)
     c.wait_event(lambda e: e["event"] == "spare_ready" and e["source"] == "agent-spare")
     c.wait_event(lambda e: e["event"] == "fault_injected" and e["rank"] == 1)
-
-    def settled(rank: int) -> bool:  # every save the rank began is over
-        ev = [e for e in c.events() if e.get("rank") == rank and e["source"] == f"rank{rank}"]
-        staged = {e["step"] for e in ev if e["event"] == "checkpoint_staged"}
-        return staged <= {e["step"] for e in ev if e["event"] in ("checkpoint_committed", "checkpoint_failed")}
-
-    c.wait_event(lambda e: settled(1) and e["event"] == "checkpoint_committed" and e["rank"] == 1)
+    # Its saves are written in step (no writer process): the last, step 12's, committed before the block.
+    c.wait_event(lambda e: e["event"] == "checkpoint_committed" and e["rank"] == 1 and e["step"] == 12)
     old = {e["rank"]: e["pid"] for e in c.events() if e["event"] == "run_start"}
     census = RankCensus(c)
     try:
@@ -146,5 +141,9 @@ def test_a_node_cut_off_mid_run_is_fenced_the_spare_takes_it_and_its_link_restor
     after = [e for e in ev if cut_at < e["time"] < new["time"] and e["source"] in ("rank1", "agent1")]
     assert after == [end], after
     assert not [e for e in ev if e["event"] == "fenced"]  # the rank never ran again to find its fence
+    # No file of the run's state was written from the cut until the replacement started (rank 0 waited for
+    # rank 1 all along), and the cut node's processes were all gone by then (the census): none is theirs.
+    files = [f for d in ("checkpoints", "final") for f in (c.run_dir / d).rglob("*") if f.is_file()]
+    assert files and not [f for f in files if cut_at < f.stat().st_mtime < new["time"]]
     d = ckpt_diff(references.get(2, STEPS), c.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
