@@ -78,8 +78,10 @@ def _probe() -> str | None:
         if shutil.which(tool) is None:
             return f"no `{tool}` on this machine (Debian: apt-get install {package})"
     try:
-        with Network(1):
-            pass
+        with Network(1) as net:
+            ran = net["node0"].run(["true"], capture_output=True, text=True)
+            if ran.returncode != 0:  # ip netns exec, then unshare --uts and hostname
+                return f"cannot run a program in a node's namespace with its own host name: {ran.stderr.strip()}"
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return f"cannot make a network namespace with a veth on a bridge here: {str(e).splitlines()[0]}"
     return None
