@@ -4,14 +4,14 @@ Each :class:`Node` is a network namespace with loopback up and one veth pair:
 ``eth0`` inside (its own address in a private /24 the harness picked), the
 other end a port of the network's bridge in the root namespace. Programs run
 in it through ``ip netns exec`` and ``unshare --uts`` with a host name of
-their own (``node0``, ``node1``, ...), and every node's ``/etc/hosts`` (``ip
+their own (``node0``, ``node1``, ...). Every node's ``/etc/hosts`` (``ip
 netns exec`` lays ``/etc/netns/NS/hosts`` over it) names every node, its own
 name first as ``127.0.1.1``, Debian's way: a program that trusts its host
 name to find its address (gloo does) is met with loopback, as on many real
-hosts; names come from that file alone (its ``nsswitch.conf``: no DNS
-server is on this network). The root namespace has no address on the bridge: nothing outside the
-nodes can reach them, and two networks made at once (two test sessions)
-never meet, whatever their subnets.
+hosts. Names come from that file alone (its ``nsswitch.conf``: no DNS server
+is on this network). The root namespace has no address on the bridge:
+nothing outside the nodes can reach them, and two networks made at once (two
+test sessions) never meet, whatever their subnets.
 
 Faults, all real: :meth:`Node.cut` takes a node's link down (the bridge's
 end: the cable pulled at the switch, the node sees only silence; or
@@ -23,13 +23,13 @@ in the node's namespace at once (``ip netns pids``), as a host that dies.
 
 :meth:`Network.close` (also on leaving its ``with``) kills every process of
 every node, then removes the namespaces, the veths, the bridges and the hosts
-files, whatever state the test left them in. Names carry the creating
-process's pid (``rtn<pid>-<n>-node0``, in base 36: interface names have 15
-characters at most),
-so a network left behind by a test process that was itself killed is removed
-by the next one (:func:`sweep`). :func:`unavailable` says why namespaces
-cannot be made here (not root, no ``ip``/``unshare``, a kernel or sandbox
-without them), for a skip.
+files, whatever state the test left them in, and fails if anything is left.
+Names carry the creating process's pid (``rtn<pid>-<n>-node0``, in base 36:
+interface names have 15 characters at most), so a network left behind by a
+test process that was itself killed is removed by the next one
+(:func:`sweep`). :func:`unavailable` says why namespaces cannot be made here
+(not root, no ``ip``/``unshare``, a kernel or sandbox without them), for a
+skip.
 """
 
 from __future__ import annotations
