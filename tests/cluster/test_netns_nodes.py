@@ -142,7 +142,7 @@ def test_a_node_cut_off_mid_run_is_fenced_the_spare_takes_it_and_its_link_restor
     assert after == [end], after
     assert not [e for e in ev if e["event"] == "fenced"]  # the rank never ran again to find its fence
     # No file of the run's state was written from the cut until the replacement started (rank 0 waited for
-    # rank 1 all along), and the cut node's processes were all gone by then (the census): none is theirs.
+    # rank 1 all along), and the cut node's rank was gone by then (the census): none is the cut node's.
     files = [f for d in ("checkpoints", "final") for f in (c.run_dir / d).rglob("*") if f.is_file()]
     assert files and not [f for f in files if cut_at < f.stat().st_mtime < new["time"]]
     d = ckpt_diff(references.get(2, STEPS), c.run_dir / "final")
