@@ -24,11 +24,14 @@ code   meaning
        replay, or a plain script's same crash in two attempts in a row with
        no progress between), a misuse of the runtime
 94     fenced: this node was declared lost (its agent stopped beating: its
-       host died, or the agent was stopped while its ranks ran on), so its
-       ranks left without taking part again; the job went on without this
-       node (a spare node took its place, or the node's next agent rejoins).
-       Its ranks exit 94 too. It is this node's fate, not the job's: the other
-       nodes' agents exit with the job's outcome (0 when it finished)
+       host died, or the agent was stopped while its ranks ran on), or, not
+       being node 0, it lost the store (cut off, or node 0 gone: it cannot
+       tell which, nor whether it was declared lost), so its ranks left
+       without taking part or writing again; the job went on without this
+       node (a spare node took its place, or the node's next agent rejoins),
+       or stopped with node 0. Its ranks exit 94 too (cut off, they are
+       killed by its agent). It is this node's fate, not the job's: the
+       other nodes' agents exit with the job's outcome
 128+N  the agent received signal N and forwarded it to a plain script's workers
 =====  ======================================================================
 

@@ -17,6 +17,12 @@ knows its node and its agent's incarnation (``RT_NODE``,
   writes a membership, so none is ever part of a later generation;
 * before it writes a checkpoint (resilient_train.disk).
 
+A rank that loses the store (its judgement of a fault needs it, and it is
+gone or past its deadline) cannot read that key: on a node other than 0 it
+must assume it was set, since its node may be the one cut off, already
+replaced (:func:`leave_if_cut_off`). Node 0's ranks stay: the store lives in
+their own agent, whose failure is the job's (exit 1).
+
 A fenced rank records the event, acknowledges its fence
 (``NodeKeys.fenced(node, incarnation, rank)``) and exits
 :data:`~resilient_train.exitcodes.FENCED` at once: no collective, no write, no
@@ -24,8 +30,11 @@ atexit handler (its checkpoint writer dies with it, PR_SET_PDEATHSIG). The
 agent that takes the node over (a spare, or the node's next agent) starts
 the replacements only once every rank of the lost incarnation acknowledged,
 or after :data:`FENCE_WAIT_S` (a rank that cannot answer is gone with its host,
-or frozen: then it learns of the fence the moment it runs again). A job of
-one node has nothing to fence: every check is a no-op.
+or frozen: then it learns of the fence the moment it runs again), and not
+before a node that is only cut off has fenced itself: its agent's store
+calls run past their deadline, and it kills its ranks
+(resilient_train.agent.membership.fence_wait_s). A job of one node has
+nothing to fence: every check is a no-op.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from resilient_train import env as E
 from resilient_train import exitcodes
 from resilient_train.nodes import NodeKeys
 
-__all__ = ["FENCE_WAIT_S", "Fence", "check_fence"]
+__all__ = ["FENCE_WAIT_S", "Fence", "check_fence", "leave_if_cut_off"]
 
 FENCE_WAIT_S = 5.0  # at most, for the ranks of a lost incarnation to acknowledge (capped by --node-timeout)
 
@@ -74,7 +83,9 @@ class Fence:
         if self.fenced(store):
             self.leave(store, where)
 
-    def leave(self, store: dist.Store, where: str) -> NoReturn:
+    def leave(self, store: dist.Store, where: str, *, say: bool = True, ack: bool = True) -> NoReturn:
+        """Records the fence, says so on stderr (``say``), acknowledges it (``ack``: not to a store that is gone,
+        whose calls may block for ever), and exits FENCED at once."""
         if self.run_dir is not None:
             try:
                 EventLog(Path(self.run_dir) / "events.jsonl", source=f"rank{self.rank}").emit(
@@ -85,12 +96,14 @@ class Fence:
         line = (f"[rank{self.rank}] resilient-train: node {self.node} was declared lost (its agent stopped "
                 f"beating): this rank leaves ({where}; exit code {exitcodes.FENCED})\n")
         try:  # never blocking: the agent that reads this pipe may be the one that stopped, with the pipe full
-            fcntl.fcntl(2, fcntl.F_SETFL, fcntl.fcntl(2, fcntl.F_GETFL) | os.O_NONBLOCK)
-            os.write(2, line.encode())
+            if say:
+                fcntl.fcntl(2, fcntl.F_SETFL, fcntl.fcntl(2, fcntl.F_GETFL) | os.O_NONBLOCK)
+                os.write(2, line.encode())
         except OSError:
             pass
         try:
-            store.set(NodeKeys.fenced(self.node, self.incarnation, self.rank), str(time.time()))
+            if ack:
+                store.set(NodeKeys.fenced(self.node, self.incarnation, self.rank), str(time.time()))
         except Exception:  # noqa: BLE001  (the store went: the fence still holds, nothing more to tell)
             pass
         os._exit(exitcodes.FENCED)
@@ -99,10 +112,22 @@ class Fence:
 _FENCE: list[Fence | None] = []  # read from the environment once per process
 
 
-def check_fence(store: dist.Store, where: str) -> None:
-    """:meth:`Fence.check` for this process's rank (a no-op outside a many-node job)."""
+def _fence() -> Fence | None:
     if not _FENCE:
         _FENCE.append(Fence.from_environ())
-    fence = _FENCE[0]
+    return _FENCE[0]
+
+
+def check_fence(store: dist.Store, where: str) -> None:
+    """:meth:`Fence.check` for this process's rank (a no-op outside a many-node job)."""
+    fence = _fence()
     if fence is not None:
         fence.check(store, where)
+
+
+def leave_if_cut_off(store: dist.Store) -> None:
+    """This rank lost the store: on a node other than 0 of a many-node job it leaves as fenced (no write, no
+    collective, exit FENCED), silently (its agent's line says it for the node); elsewhere it returns."""
+    fence = _fence()
+    if fence is not None and fence.node != 0:
+        fence.leave(store, "store lost", say=False, ack=False)

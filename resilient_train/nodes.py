@@ -21,7 +21,8 @@ agent starts its ranks once they acknowledged (``NodeKeys.fenced``).
 
 Node 0's loss takes the store with it: every other agent sees its store calls
 fail (or run past their deadline, resilient_train.agent.boundedstore), says
-so, and exits 1 (start the job again: it resumes from its newest checkpoint).
+so, and exits 94, fenced: from a node, node 0's loss and its own link cut look
+the same (start the job again: it resumes from its newest checkpoint).
 """
 
 from __future__ import annotations

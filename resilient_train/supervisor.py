@@ -31,6 +31,7 @@ from resilient_train.context import StepContext, StepFn
 from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_before_run
 from resilient_train.disk import DEFAULT_TIMEOUT_S, DiskCheckpoints, default_checkpoint_config
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
+from resilient_train.fence import leave_if_cut_off
 from resilient_train.finish import close_failed, end_run, finish_job
 from resilient_train.generation import Membership, ResumeSource, RunFinished
 from resilient_train.group import RELEASE_AT_EXIT_S, abort_nccl, backend_device, build_group, join_releases
@@ -52,7 +53,6 @@ from resilient_train.train_state import TrainState
 from resilient_train.watch import GenerationWatcher
 
 __all__ = ["GenerationFailed", "RunFinished", "StepContext", "Supervisor", "SupervisorConfig"]
-
 
 _S = SupervisorState
 
@@ -173,8 +173,8 @@ class Supervisor:
                     try:
                         nxt = self._judge(exc)
                     except dist.DistNetworkError as lost:  # the judgement needs the store, and it is gone
-                        self._store_lost = str(lost).splitlines()[0][:200]
-                        nxt = _S.FAILED
+                        leave_if_cut_off(self.store)  # not on node 0: maybe cut off, already replaced (fence)
+                        self._store_lost, nxt = str(lost).splitlines()[0][:200], _S.FAILED
                 self.lifecycle.to(nxt)
         finally:
             self.preemption.close()

@@ -13,6 +13,7 @@ resilient_train.nodes ``NodeWatch.excuse``).
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 __all__ = ["PAUSE_S", "PauseClock"]
 
@@ -20,8 +21,10 @@ PAUSE_S = 1.0  # twenty looks missed: the agent was not running
 
 
 class PauseClock:
-    def __init__(self, pause_s: float = PAUSE_S) -> None:
+    def __init__(self, *, on_pause: Callable[[float], None], pause_s: float = PAUSE_S) -> None:
+        """``on_pause(seconds)``: called by the look that found a pause, with its length."""
         self.pause_s = pause_s
+        self._on_pause = on_pause
         self._last: float | None = None
         self.paused_s = 0.0  # in all, for the record
 
@@ -32,4 +35,5 @@ class PauseClock:
         if last is None or now - last < self.pause_s:
             return None
         self.paused_s += now - last
+        self._on_pause(now - last)
         return now - last

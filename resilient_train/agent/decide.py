@@ -21,8 +21,11 @@ budgets). The loop carries the decision out. The rules, by event:
 * every worker succeeded: leave the job with 0;
 * this node declared lost while its agent lived (its own loss key, or a rank
   that exited FENCED): fenced, exit 94 (resilient_train.fence);
-* the store lost: 94 if this node had been fenced, 0 if it had finished,
-  else give up with exit 1;
+* the store lost: 0 if this node's ranks had finished; on node 0, whose
+  agent hosts the store, give up with exit 1; on any other node fenced, exit
+  94: its agent cannot tell node 0's loss from its own link's, nor know
+  whether the job declared it lost and gave its ranks to a spare, so it
+  assumes it did (a spare still waiting leaves with 94 too);
 * the run directory removed, replaced or read-only: the job stops with 74
   (nothing can be written: checkpoints, events, the final state).
 """
@@ -181,11 +184,23 @@ def blame(failure: Failure, followed: tuple[Failure, ...]) -> str:
 
 
 def _store_lost(view: View, e: StoreLost) -> Decision:
-    if e.fenced:  # the store went after this node had been declared lost: the job went on without it
-        return Fence(how="its ranks found it declared lost; the store is gone since")
     if e.finished:
         # The job's end came before the store went (node 0's agent closed it once done): nothing was lost.
         return End(exit_code=exitcodes.OK, reason="finished", line=None)
-    who = "this agent's own store failed" if view.hosting else "node 0's agent is gone or does not answer"
-    return Fail(message=f"lost the store on {view.store_address} ({who}): stopping; start the job again to "
-                f"resume from its newest checkpoint ({e.error[:120]})", exit_code=exitcodes.FAILED)
+    if view.hosting:
+        return Fail(message=f"lost the store on {view.store_address} (this agent's own store failed): stopping; "
+                    f"start the job again to resume from its newest checkpoint ({e.error[:120]})",
+                    exit_code=exitcodes.FAILED)
+    # Node 0's host gone and this node cut off look the same from here; cut off, the job may have declared this
+    # node lost and given its ranks to a spare already: they must not run on (resilient_train.fence).
+    line = (f"lost the store on {view.store_address} (node 0's agent is gone or does not answer, or this node is "
+            f"cut off from it: {e.error[:120]}): this node cannot know whether it was declared lost, so its ranks "
+            f"are fenced out (exit code {exitcodes.FENCED}); if the job stopped, start it again to resume from its "
+            "newest checkpoint")
+    # e.fenced: a rank left FENCED first (it found its node declared lost, or lost the store itself).
+    how = "its ranks left fenced; the store is gone since" if e.fenced else f"lost the store on {view.store_address}"
+    if view.state is AgentState.WAITING_FOR_NODE:
+        return End(exit_code=exitcodes.FENCED, reason="fenced", line=line)
+    if view.state in (AgentState.STARTING, AgentState.RUNNING):
+        return Fence(how=how, line=line)
+    return Fail(message=line, exit_code=exitcodes.FENCED)  # its end was under way: nothing left to kill first

@@ -81,14 +81,15 @@ class Ending:
         self.events.emit("agent_end", ok=True, restarts=restarts)
         return self.lifecycle.end(0, "finished")
 
-    def fence(self, how: str, *, restarts: int) -> int:
-        """This node was declared lost while this agent lived (FENCED): its ranks go, and so does the agent,
-        without a word to the job (the node is the spare's now, or its next agent's)."""
+    def fence(self, how: str, *, restarts: int, line: str | None = None) -> int:
+        """This node was declared lost while this agent lived, or lost the store and must assume it was
+        (FENCED): its ranks go, and so does the agent, without a word to the job (the node is the spare's now,
+        or its next agent's). ``line``: what to say, when not that the node was declared lost."""
         self.lifecycle.to(AgentState.FENCED)
         self.workers.kill_all()
         code = exitcodes.FENCED
-        self._say(f"node {self.config.node_rank} was declared lost ({how}): its ranks are fenced out and the job "
-                  f"goes on without this agent (exit code {code})")
+        self._say(line or f"node {self.config.node_rank} was declared lost ({how}): its ranks are fenced out and "
+                  f"the job goes on without this agent (exit code {code})")
         self.events.emit("agent_end", ok=False, reason="fenced", how=how, exit_code=code, restarts=restarts)
         return self.lifecycle.end(code, "fenced")
 

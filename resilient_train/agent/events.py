@@ -99,11 +99,12 @@ class SpareDue:
 
 @dataclass(**_E)
 class StoreLost:
-    """A store call failed or ran past its deadline (node 0's agent, which hosts it, is gone or stopped)."""
+    """A store call failed or ran past its deadline (node 0's agent, which hosts it, is gone or stopped, or this
+    node is cut off from it)."""
 
     error: str
     finished: bool = False  # this node's workers had all succeeded
-    fenced: bool = False  # a worker of this node exited FENCED: the node had been declared lost
+    fenced: bool = False  # a worker of this node exited FENCED: it found its node declared lost, or the store gone
 
 
 @dataclass(**_E)
@@ -256,9 +257,11 @@ class End:
 @dataclass(**_E)
 class Fence:
     """FENCED: this node's ranks are killed and the agent exits FENCED without telling the job it left (the
-    node is another agent's now, or its next agent's)."""
+    node is another agent's now, or its next agent's). ``line``: what the console says, when not the words for
+    a node declared lost (a node that lost the store cannot know whether it was)."""
 
     how: str
+    line: str | None = None
 
 
 @dataclass(**_E)

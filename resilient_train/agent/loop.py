@@ -92,7 +92,7 @@ class Agent:
                                  spawn=lambda rank, g, replacement: self._spawn(rank, g, replacement=replacement))
         self.spares = self._spare_pool()
         self.signals = SignalTrap(c.signals, self.console)
-        self.clock = PauseClock()
+        self.clock = PauseClock(on_pause=self._excuse)
         self.run_dir_watch = RunDirWatch(self.run_dir)
         self.ending = Ending(c, self.lifecycle, workers=self.workers, events=self.events, say=self._say,
                              membership=self.membership, hosting=self.host.hosting)
@@ -182,9 +182,7 @@ class Agent:
 
     def _look(self) -> None:
         """One look at everything this state watches: each event is decided and acted on as it comes."""
-        paused = self.clock.tick()
-        if paused is not None:
-            self._excuse(paused)
+        self.clock.tick()
         for poller in self._pollers():
             for event in poller():
                 self._act(decide(self.view(), event))
@@ -290,7 +288,7 @@ class Agent:
                              restarts=self.restarts, **extra)
             self.lifecycle.end(d.exit_code, d.reason)
         elif isinstance(d, ev.Fence):
-            self.ending.fence(d.how, restarts=self.restarts)
+            self.ending.fence(d.how, restarts=self.restarts, line=d.line)
         elif isinstance(d, ev.EnableSpares):
             assert self.spares is not None
             self.spares.enable()
@@ -393,7 +391,8 @@ class Agent:
         if self._dashboard is not None:
             self._dashboard.close()
         self.workers.close()
-        self.persist.save()
+        if AgentState.FENCED not in self.lifecycle.history:  # fenced: the node's monitor state is another agent's
+            self.persist.save()
         self.hangs.close()
         if self.spares is not None:
             self.spares.close()

@@ -18,6 +18,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from monitors import EventLog
+from resilient_train.agent.boundedstore import call_timeout_s
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.events import Fenced, JobEnded, NodeAssigned, NodeLost
 from resilient_train.fence import FENCE_WAIT_S
@@ -26,11 +27,20 @@ from resilient_train.nodes import (
 )
 from resilient_train.store import Keys, current_generation, declare_fault, read_stop
 
-__all__ = ["Membership"]
+__all__ = ["Membership", "fence_wait_s"]
 
 _ASSIGNMENT_EVERY_S = 0.2  # how often a waiting spare looks for a node handed to it
 _FENCE_CHECK_EVERY_S = 1.0  # how often an agent looks whether its own node was declared lost
 LEAVE_TIMEOUT_S = 60.0  # node 0 keeps the store this long at most for the other nodes to leave
+
+
+def fence_wait_s(node_timeout_s: float) -> float:
+    """How long the agent that takes a node over waits for the lost incarnation's ranks to acknowledge their
+    fence before it starts the replacements: ``min(FENCE_WAIT_S, node timeout)``, and, when that node is only
+    cut off (its ranks alive, unable to read their fence), until its own agent has given up on the store and
+    killed them (resilient_train.fence): its store calls' deadline (``call_timeout_s``) runs from about when
+    its beat stopped, and exceeds the node timeout below 5 s."""
+    return min(FENCE_WAIT_S, node_timeout_s) + max(0.0, call_timeout_s(node_timeout_s) - node_timeout_s)
 
 
 class Membership:
@@ -74,7 +84,7 @@ class Membership:
                 world_size=c.world_size)
         keys = {r: NodeKeys.fenced(c.node_rank, previous, r) for r in c.ranks()}
         started = time.monotonic()
-        deadline = started + min(FENCE_WAIT_S, c.node_timeout_s)
+        deadline = started + fence_wait_s(c.node_timeout_s)
         left: list[int] = []
         while True:
             left = [r for r, key in keys.items() if store.check([key])]
@@ -104,8 +114,12 @@ class Membership:
         for node, incarnation in self._watch.poll():
             # Node 0 is never claimed: its loss is the store's, which every agent learns from its own calls
             # (fencing a node 0 that was only slow to beat would end the job).
-            if node != 0 and (node, incarnation) not in self._handled:
-                self._handled.add((node, incarnation))
+            if node == 0 or (node, incarnation) in self._handled:
+                continue
+            self._handled.add((node, incarnation))
+            # A node that finished (or stopped) and left is silent by then: not a loss (this node's ranks may
+            # take a while longer to leave, releasing a group whose peer was cut off).
+            if not store.check([NodeKeys.done(node)]):
                 lost.append(NodeLost(node=node, incarnation=incarnation))
         return lost
 

@@ -3,10 +3,12 @@
 ::
 
     STARTING ──> WAITING_FOR_NODE ──> STARTING          a spare node's agent, until a lost node is handed to it
-        │               └──────────────────────> DONE   the job ended without it (or it was signalled)
+        │  │            └──────────────────────> DONE   the job ended without it (or it was signalled, or cut off)
+        │  └──> FENCED                                 the store lost as it starts (below)
         v
      RUNNING <──> RESTARTING                           torchrun's restart of every worker (a plain script)
-        ├──> FENCED ───────────────────────> DONE       this node was declared lost meanwhile: it leaves (exit 94)
+        ├──> FENCED ───────────────────────> DONE       this node was declared lost meanwhile, or (not node 0)
+        │                                              lost the store and must assume so: it leaves (exit 94)
         ├──> STOPPING ─────┐                           a rank stopped the job (a bug, a full disk, the rerun policy)
         ├──> SHUTTING_DOWN ┤                           a signal (this node's or another's) or a preemption
         ├──────────────────┼──> LEAVING ──> DONE       many nodes: this node is done; node 0 waits for the others
@@ -40,7 +42,7 @@ class AgentState(str, Enum):
     STOPPING = "stopping"  # a rank stopped the job: the ranks leave, the rest are killed after a grace
     SHUTTING_DOWN = "shutting_down"  # a signal or a preemption: the ranks' grace, then SIGKILL and the verdict
     LEAVING = "leaving"  # many nodes: this node is done; node 0 keeps the store until the others are
-    FENCED = "fenced"  # this node was declared lost (resilient_train.fence): its ranks are killed, it leaves
+    FENCED = "fenced"  # declared lost, or cut off from the store (resilient_train.fence): ranks killed, it leaves
     DONE = "done"  # ended with the code its policies decided
     FAILED = "failed"  # gave up (an AgentError)
 
@@ -51,7 +53,7 @@ class AgentState(str, Enum):
 
 _S = AgentState
 _ALLOWED: dict[AgentState, frozenset[AgentState]] = {
-    _S.STARTING: frozenset({_S.WAITING_FOR_NODE, _S.RUNNING, _S.FAILED}),
+    _S.STARTING: frozenset({_S.WAITING_FOR_NODE, _S.RUNNING, _S.FENCED, _S.FAILED}),
     _S.WAITING_FOR_NODE: frozenset({_S.STARTING, _S.DONE, _S.FAILED}),
     _S.RUNNING: frozenset({_S.RESTARTING, _S.STOPPING, _S.SHUTTING_DOWN, _S.LEAVING, _S.FENCED, _S.DONE,
                            _S.FAILED}),

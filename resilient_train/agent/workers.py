@@ -2,7 +2,8 @@
 
 A worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*,
 TORCHELASTIC_*) and ours (RT_*: the run directory, its generation, its role,
-the job's token). A replacement is handed to a warm spare when one fits
+the job's token; GLOO_SOCKET_IFNAME, the interface this node reaches the store
+over, resilient_train.agent.glooif). A replacement is handed to a warm spare when one fits
 (resilient_train.spares); every worker's output passes through the agent
 (resilient_train.workerio). :meth:`Workers.poll` reports exits in the order
 they happened (pidfd exit times, resilient_train.restarts.ExitClock) and acts
@@ -26,6 +27,7 @@ from monitors import EventLog
 from resilient_train import env as E
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.events import WorkerExited
+from resilient_train.agent.glooif import GLOO_SOCKET_IFNAME, gloo_interface
 from resilient_train.agent.state import AgentError
 from resilient_train.entry import Entry
 from resilient_train.restarts import ExitClock, Failure
@@ -68,6 +70,8 @@ class Workers:
         self.log_dir = Path(config.output.log_dir) if config.output.log_dir else run_dir / "logs"
         self.exits = ExitClock()
         self.table: dict[int, Worker] = {}
+        # The interface its ranks' gloo sockets bind: the one this node reaches the store over (glooif).
+        self.gloo_interface = gloo_interface(config.master_addr)
 
     # ----------------------------------------------------------- the table
     def __iter__(self) -> Iterator[Worker]:
@@ -122,8 +126,8 @@ class Workers:
         if c.virtual_local_rank:
             env[E.LOCAL_RANK] = "0"
             env["CUDA_VISIBLE_DEVICES"] = str(local)
-        if c.master_addr in ("127.0.0.1", "localhost", "::1"):
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
+        if self.gloo_interface is not None:
+            env.setdefault(GLOO_SOCKET_IFNAME, self.gloo_interface)  # the user's choice wins
         return env
 
     # ----------------------------------------------------------- spawning

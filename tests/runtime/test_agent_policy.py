@@ -15,7 +15,7 @@ from resilient_train.restarts import Failure, RestartPolicy
 
 S = AgentState
 MOVES = {
-    S.STARTING: {S.WAITING_FOR_NODE, S.RUNNING, S.FAILED},
+    S.STARTING: {S.WAITING_FOR_NODE, S.RUNNING, S.FENCED, S.FAILED},
     S.WAITING_FOR_NODE: {S.STARTING, S.DONE, S.FAILED},
     S.RUNNING: {S.RESTARTING, S.STOPPING, S.SHUTTING_DOWN, S.LEAVING, S.FENCED, S.DONE, S.FAILED},
     S.RESTARTING: {S.RUNNING, S.FAILED},
@@ -158,15 +158,29 @@ def test_hangs_signals_nodes_spares_and_the_end() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_a_lost_store_fails_the_node_unless_its_part_had_finished() -> None:
+def test_a_lost_store_fences_every_node_but_its_host_unless_its_part_had_finished() -> None:
+    """A node that lost the store cannot tell node 0's loss from its own link's, nor know whether the job
+    declared it lost: it is fenced (94), in one line; node 0, whose agent hosts the store, fails (1)."""
     v = _view(hosting=False, store_address="10.0.0.1:29500")
-    lost = decide(v, ev.StoreLost(error="Connection reset by peer"))
-    assert isinstance(lost, ev.Fail) and lost.exit_code == 1
-    assert "lost the store on 10.0.0.1:29500 (node 0's agent is gone or does not answer)" in lost.message
-    done = decide(v, ev.StoreLost(error="Connection reset by peer", finished=True))
-    assert isinstance(done, ev.End) and done.exit_code == 0
+    lost = decide(v, ev.StoreLost(error="the store did not answer a check within 5 s"))
+    assert isinstance(lost, ev.Fence) and lost.how == "lost the store on 10.0.0.1:29500"
+    assert lost.line is not None and lost.line.startswith(
+        "lost the store on 10.0.0.1:29500 (node 0's agent is gone or does not answer, or this node is cut off from "
+        "it: the store did not answer a check within 5 s): this node cannot know whether it was declared lost")
+    assert "(exit code 94)" in lost.line and "\n" not in lost.line
+    assert decide(_view(hosting=False, state=S.STARTING), ev.StoreLost(error="reset")).line is not None  # type: ignore[union-attr]
+    spare = decide(_view(hosting=False, state=S.WAITING_FOR_NODE), ev.StoreLost(error="reset"))
+    assert isinstance(spare, ev.End) and (spare.exit_code, spare.reason) == (exitcodes.FENCED, "fenced")
+    leaving = decide(_view(hosting=False, state=S.LEAVING), ev.StoreLost(error="reset"))
+    assert isinstance(leaving, ev.Fail) and leaving.exit_code == exitcodes.FENCED  # nothing left to kill first
     fenced = decide(v, ev.StoreLost(error="Connection reset by peer", fenced=True))
-    assert isinstance(fenced, ev.Fence)  # its ranks saw the node declared lost before the store went
+    assert isinstance(fenced, ev.Fence) and fenced.how == "its ranks left fenced; the store is gone since"
+    for hosting in (False, True):
+        done = decide(_view(hosting=hosting), ev.StoreLost(error="Connection reset by peer", finished=True))
+        assert isinstance(done, ev.End) and done.exit_code == 0
+    own = decide(_view(hosting=True, store_address="10.0.0.1:29500"), ev.StoreLost(error="Connection reset"))
+    assert isinstance(own, ev.Fail) and own.exit_code == exitcodes.FAILED
+    assert "lost the store on 10.0.0.1:29500 (this agent's own store failed)" in own.message
 
 
 @pytest.mark.timeout(30)
