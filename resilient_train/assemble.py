@@ -25,6 +25,7 @@ from resilient_train import env as envvars
 from resilient_train.buddy import BuddyCopies
 from resilient_train.config import SupervisorConfig
 from resilient_train.disk import DiskCheckpoints, default_checkpoint_config
+from resilient_train.errors import UsageError
 from resilient_train.mesh import MeshSpec
 from resilient_train.parts import ChaosPart, CuptiPart, DiskPart, Part, Parts, ProgressPart, SnapshotPart
 from resilient_train.rerun.driver import RerunHooks
@@ -117,6 +118,14 @@ def disk_checkpoints(config: CheckpointConfig, *, rank: int, world_size: int, st
                            sharded=sharded,
                            first_replica=mesh_spec.first_replica(rank, world_size) if mesh_spec is not None else True,
                            suspended=suspended)
+
+
+def preemption_disk(run_dir: Path | None, **kw: Any) -> DiskCheckpoints:
+    """The checkpoints a preemption writes to when the run has none configured: RUN_DIR/checkpoints, every save
+    synchronous (``kw``: :func:`disk_checkpoints`'s)."""
+    if run_dir is None:
+        raise UsageError("preempted without a run directory to write the checkpoint to")
+    return disk_checkpoints(default_checkpoint_config(run_dir, every=0, mode="disabled"), run_dir=run_dir, **kw)
 
 
 def _exit(code: int) -> Any:

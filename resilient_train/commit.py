@@ -119,6 +119,19 @@ class CommitGate:
         self.stop_agreed = self.stop_agreed or any(s > 0 for s in stops)
         self.committed = True
 
+    def agree_stop(self) -> bool:
+        """At a generation's first boundary, before its first step: whether some rank asked to stop (a signal
+        that came during the step that failed, or during the recovery; a signal to the whole job may have taken
+        a DataLoader's workers with it, so the step would fail again). Every rank answers the same: the job
+        stops here with its checkpoint. One one-element all-reduce per generation."""
+        stop = self._stop()
+        if self.world_size > 1:
+            t = torch.tensor([stop], dtype=torch.float32, device=self._device)
+            dist.all_reduce(t, group=self._group())
+            stop = t.item()
+        self.stop_agreed = self.stop_agreed or stop > 0
+        return self.stop_agreed
+
     def _fallback_vote(self) -> tuple[float, float]:
         """The vote and stop flag of a step whose gradients did not go through a reducer (one rank, a sharded
         model, DDP reducing the plan itself on NCCL, or a step with no gradients)."""

@@ -32,7 +32,7 @@ _S = SupervisorState
 _ALLOWED: dict[SupervisorState, frozenset[SupervisorState]] = {
     _S.STARTING: frozenset({_S.JOINING, _S.FAILED}),
     _S.JOINING: frozenset({_S.RESTORING, _S.RECOVERING, _S.DONE, _S.FAILED}),
-    _S.RESTORING: frozenset({_S.TRAINING, _S.RECOVERING, _S.FAILED}),
+    _S.RESTORING: frozenset({_S.TRAINING, _S.PREEMPTING, _S.RECOVERING, _S.FAILED}),
     _S.TRAINING: frozenset({_S.FINISHING, _S.PREEMPTING, _S.RECOVERING, _S.FAILED}),
     _S.PREEMPTING: frozenset({_S.DONE, _S.RECOVERING, _S.FAILED}),
     _S.FINISHING: frozenset({_S.DONE, _S.RECOVERING, _S.FAILED}),

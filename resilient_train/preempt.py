@@ -137,11 +137,23 @@ class Preemption:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.request(signal.Signals(signum).name)
+        _quiet_dataloader_sigchld()
 
     def close(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+def _quiet_dataloader_sigchld() -> None:
+    """A stop signal sent to the whole job reaches the DataLoader's workers too, and SIGTERM kills them (torch
+    gives them a handler that re-raises it). torch's SIGCHLD handler in the rank then raises their death as an
+    error wherever the main thread happens to be, in the runtime's own recovery too. The job is stopping: that
+    handler goes (SIGCHLD's default, ignored), and the loader reports its dead workers where the step reads
+    from it, as a failed step that the stop makes the last one (the ranks agree to stop at their boundary)."""
+    handler = signal.getsignal(signal.SIGCHLD)
+    if callable(handler) and getattr(handler, "__module__", "").startswith("torch.utils.data"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def checkpoint_for_preemption(state: "TrainState", *, preemption: Preemption, grace: float, rank: int,

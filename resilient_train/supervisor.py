@@ -24,12 +24,12 @@ from chaos import Phase
 from monitors import EventLog
 from monitors.stacks import install_stack_dump
 from resilient_train import env as envvars
-from resilient_train.assemble import build_parts, disk_checkpoints
+from resilient_train.assemble import build_parts, preemption_disk
 from resilient_train.buddy import BuddyCopies
 from resilient_train.config import SupervisorConfig
 from resilient_train.context import StepContext, StepFn
 from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_before_run
-from resilient_train.disk import DEFAULT_TIMEOUT_S, DiskCheckpoints, default_checkpoint_config
+from resilient_train.disk import DEFAULT_TIMEOUT_S, DiskCheckpoints
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
 from resilient_train.fence import leave_if_cut_off
 from resilient_train.finish import close_failed, end_run, finish_job
@@ -278,7 +278,8 @@ class Supervisor:
         self.parts.on_restored(state)
         self.recovery.timings["heal_s"] = time.monotonic() - t0
         self.recovery.report(plan, resume_step=state.step)
-        return _S.TRAINING
+        # A stop asked during the failed step or the recovery: every rank stops at this boundary, checkpointed.
+        return _S.PREEMPTING if state.step < self.config.steps and self.stepper.gate.agree_stop() else _S.TRAINING
 
     def _train(self, step_fn: StepFn) -> SupervisorState:
         state = self.state
@@ -308,14 +309,9 @@ class Supervisor:
         return _S.DONE
 
     def _preemption_disk(self) -> DiskCheckpoints:
-        if self.disk is None:
-            if self.run_dir is None:
-                raise UsageError("preempted without a run directory to write the checkpoint to")
-            self.disk = disk_checkpoints(
-                default_checkpoint_config(self.run_dir, every=0, mode="disabled"), rank=self.env.rank,
-                world_size=self.env.world_size, store=self.store, events=self.events, run_dir=self.run_dir,
-                mesh_spec=self._mesh_spec, sharded=self._sharded is not None,
-                suspended=lambda: self.stepper.gate.suspended())
+        self.disk = self.disk or preemption_disk(
+            self.run_dir, rank=self.env.rank, world_size=self.env.world_size, store=self.store, events=self.events,
+            mesh_spec=self._mesh_spec, sharded=self._sharded is not None, suspended=self.stepper.gate.suspended)
         return self.disk
 
     def _publish_grace(self) -> float:

@@ -102,6 +102,13 @@ def run_ddp(run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, Any
                       timeout=timeout, agent_args=agent_args)
 
 
+def cli_popen(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``resilient-train ARGS`` in the background, in its own session (a test can signal all of it)."""
+    return subprocess.Popen([sys.executable, "-m", "resilient_train.cli", *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
 def start_gpt(run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, Any]] | None = None,
               agent_args: list[str] | None = None, extra: list[str] | None = None,
               env: dict[str, str] | None = None, script: Path = GPT) -> subprocess.Popen:
@@ -110,9 +117,7 @@ def start_gpt(run_dir: Path, *, nproc: int, steps: int, faults: list[dict[str, A
     if faults:
         args += ["--chaos", json.dumps(faults)]
     args += [str(script), "--steps", str(steps), *SMALL_GPT, *(extra or [])]
-    return subprocess.Popen([sys.executable, "-m", "resilient_train.cli", *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+    return cli_popen(*args, env=env)
 
 
 def wait_for_event(run_dir: Path, predicate: Any, *, timeout: float, proc: subprocess.Popen | None = None,

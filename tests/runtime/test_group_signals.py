@@ -15,14 +15,21 @@ import signal
 
 import pytest
 
-from jobs import Job, start_gpt, wait_for_event
+from pathlib import Path
+
+from jobs import Job, cli_popen, start_gpt, wait_for_event
 
 REQUEUE = 75
+DATALOADER_SCRIPT = Path(__file__).resolve().parent / "dataloader_script.py"
 
 
-def _signalled_job(tmp_path, name: str, sig: signal.Signals, *, at_step: int, group: bool, steps: int = 60) -> Job:
+def _signalled_job(tmp_path, name: str, sig: signal.Signals, *, at_step: int, group: bool, steps: int = 60,
+                   dataloader: bool = False) -> Job:
     run_dir = tmp_path / name
-    proc = start_gpt(run_dir, nproc=2, steps=steps, extra=["--ckpt-every", "2"])
+    if dataloader:
+        proc = cli_popen("run", "--nproc-per-node", "2", "--run-dir", str(run_dir), str(DATALOADER_SCRIPT), "400")
+    else:
+        proc = start_gpt(run_dir, nproc=2, steps=steps, extra=["--ckpt-every", "2"])
     try:
         wait_for_event(run_dir, lambda e: e["event"] == "step_done" and e["step"] >= at_step, timeout=150, proc=proc)
         if group:
@@ -55,6 +62,16 @@ def test_sighup_or_sigquit_to_the_agent_stops_the_job_checkpointed(tmp_path, sig
     job = _signalled_job(tmp_path, sig.name, sig, at_step=8, group=False)
     _stopped_with_its_checkpoint(job, sig)
     assert f"received {sig.name}" in job.stderr
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_the_whole_group_of_a_job_with_dataloader_workers_stops_it_checkpointed(tmp_path):
+    """torch's DataLoader workers die of SIGTERM (their own handler re-raises it), so the step that waits on
+    them fails. The stop does not depend on them: the ranks recover to the boundary they stood at and, since
+    a stop was asked, agree there to stop with its checkpoint (75), instead of replaying the step into the
+    same dead workers until the job stops as a bug."""
+    job = _signalled_job(tmp_path, "dataloader", signal.SIGTERM, at_step=20, group=True, dataloader=True)
+    _stopped_with_its_checkpoint(job, signal.SIGTERM)
 
 
 @pytest.mark.slow
