@@ -40,6 +40,7 @@ def _cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
 
     from resilient_train.env import RT_RUN_CONFIG
     from resilient_train.agent import Agent, AgentError
+    from resilient_train.console import Std
     from resilient_train.nativelog import FoldedStderr
     from resilient_train.preflight import check_run_inputs
     from resilient_train.runflags import run_config
@@ -66,7 +67,7 @@ def _cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     config.env[RT_RUN_CONFIG] = str(path.resolve())
     # c10d's C++ warnings from the agent's own store connections, one per connection when node 0 goes, each
     # with a C++ stack: the agent says what happened in one line instead (resilient_train.nativelog).
-    with FoldedStderr():
+    with FoldedStderr(on_closed=lambda: agent.console.closed(Std.ERR)):
         try:
             return agent.run()
         except AgentError as e:  # the run gave up
