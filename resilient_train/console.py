@@ -43,8 +43,10 @@ class Console:
     tracebacks shown, and which of the two closed under it."""
 
     def __init__(self, out: IO[bytes] | None = None, err: IO[bytes] | None = None) -> None:
+        # stderr: a copy of fd 2 as it is now, so the ranks' lines go straight to it, not through a pipe the
+        # CLI may put on fd 2 later for the agent's own C++ warnings (resilient_train.nativelog.FoldedStderr)
         self._streams = {Std.OUT: out if out is not None else sys.stdout.buffer,
-                         Std.ERR: err if err is not None else sys.stderr.buffer}
+                         Std.ERR: err if err is not None else _copy_of_stderr()}
         self._locks = {Std.OUT: threading.Lock(), Std.ERR: threading.Lock()}
         self._closed = Std.NONE
         self.on_closed: Callable[[Std], None] | None = None  # called once per stream, by the writer that found it
@@ -128,6 +130,14 @@ class Console:
 def strip_rank_prefix(line: bytes) -> bytes:
     """``line`` without the ``[rankN]:`` torch's excepthook puts before each line once a group exists."""
     return _RANK_PREFIX.sub(b"", line)
+
+
+def _copy_of_stderr() -> IO[bytes]:
+    sys.stderr.flush()
+    try:
+        return os.fdopen(os.dup(2), "wb")
+    except OSError:  # fd 2 is not open: nothing to show the lines on
+        return open(os.devnull, "wb")
 
 
 def _to_null(stream: IO[bytes]) -> None:

@@ -140,6 +140,10 @@ class FoldedStderr:
             if buffer and not self.real_closed:
                 self._write(out_fd, self._show(buffer))
 
+    def closed(self) -> None:
+        """The real stderr was found closed elsewhere: ``close`` leaves /dev/null on fd 2."""
+        self.real_closed = True
+
     def _show(self, line: bytes) -> bytes:
         shown = self._folder.feed(line)
         return line if shown is None else b"".join(shown)
