@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from checkpointing import is_disk_full
 from resilient_train import exitcodes
-from resilient_train.errors import Failure, FailureKind, UsageError, classify
+from resilient_train.errors import Failure, FailureKind, UsageError, WrongInput, classify
 
 __all__ = ["Judge", "Stop"]
 
@@ -56,7 +56,8 @@ class Judge:
             return Stop(reason=str(exc), exit_code=exitcodes.DISK_FULL)
         failure = classify(exc)
         if failure.kind is FailureKind.USAGE:
-            return Stop(reason=str(exc), traceback="" if isinstance(exc, UsageError) else _text(exc))
+            return Stop(reason=str(exc), traceback="" if isinstance(exc, UsageError) else _text(exc),
+                        exit_code=exitcodes.BAD_INPUT if isinstance(exc, WrongInput) else exitcodes.STOPPED)
         # An exception raised while the generation was already failing is a consequence, never a verdict.
         if failure.kind is FailureKind.EXCEPTION and not generation_moved:
             last = self._last_exception
