@@ -18,6 +18,7 @@ the fields' type hints (``resilient_train.runconfig`` composes the root):
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import enum
 import functools
@@ -36,7 +37,7 @@ from monitors.configfile import (
     require_str,
 )
 
-__all__ = ["RT_RUN_CONFIG", "build", "build_kwargs", "convert", "dataclass_in", "file_defaults", "file_section", "hints",
+__all__ = ["RT_RUN_CONFIG", "RunConfigVariableError", "build", "build_kwargs", "convert", "dataclass_in", "file_defaults", "file_section", "hints",
            "leaf_keys", "parse_text", "renamed", "set_key", "to_plain", "type_at", "type_name"]
 
 RT_RUN_CONFIG = "RT_RUN_CONFIG"  # the run config file (YAML) the agent wrote; ranks default their configs from it
@@ -96,10 +97,16 @@ def leaf_keys(root: type, *, skip: Iterable[str] = (), prefix: str = "") -> list
 
 
 def _default(f: dataclasses.Field) -> Any:
+    """The field's own default: never one a run config file would give (``--help`` and the docs must not
+    depend on the environment, which may name a file that is gone)."""
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
+        token = _FROM_FILE.set(False)
+        try:
+            return f.default_factory()
+        finally:
+            _FROM_FILE.reset(token)
     return dataclasses.MISSING
 
 
@@ -208,6 +215,8 @@ def build(cls: type[T], data: Any, key: str, *, skip: Iterable[str] = (), root: 
     kwargs = build_kwargs(cls, data, key, skip=skip, root=root)
     try:
         return cls(**kwargs)
+    except RunConfigVariableError:
+        raise
     except ValueError as e:
         raise ValueError(_keyed(cls, key, str(e))) from None
     except TypeError as e:
@@ -361,6 +370,14 @@ def renamed(**old_to_new: str) -> Callable[[type[T]], type[T]]:
 
 # ------------------------------------------------- defaults from the run's file
 _CACHE: dict[tuple[str, int, int], Any] = {}
+class RunConfigVariableError(ValueError):
+    """The file ``RT_RUN_CONFIG`` names cannot be read as a run config: one line naming the variable and the
+    file, never prefixed with a section's name."""
+
+
+_FROM_FILE: contextvars.ContextVar[bool] = contextvars.ContextVar("rt_defaults_from_file", default=True)
+# The agent sets the variable for its ranks; one left in a user's shell is the usual way to meet a bad one.
+_UNSET = f" (the agent sets ${RT_RUN_CONFIG} for its ranks: unset it to run without)"
 
 
 def _file_root(environ: "os._Environ[str] | dict[str, str] | None" = None) -> dict[str, Any] | None:
@@ -370,12 +387,16 @@ def _file_root(environ: "os._Environ[str] | dict[str, str] | None" = None) -> di
     try:
         st = os.stat(path)
     except OSError as e:
-        raise ValueError(f"run config ${RT_RUN_CONFIG} {path!r} cannot be read: {e.strerror or e}") from None
+        raise RunConfigVariableError(f"run config ${RT_RUN_CONFIG} {path!r} cannot be read: {e.strerror or e}{_UNSET}") from None
     ident = (path, st.st_mtime_ns, st.st_size)
     if ident not in _CACHE:
-        data = load_config_file(path, f"run config (${RT_RUN_CONFIG})")
+        try:
+            data = load_config_file(path, f"run config (${RT_RUN_CONFIG})")
+        except ValueError as e:
+            raise RunConfigVariableError(f"{e}{_UNSET}") from None
         if data is not None and not isinstance(data, dict):
-            raise ValueError(f"run config ${RT_RUN_CONFIG} {path!r} must be a mapping of sections, got {kind(data)}")
+            raise RunConfigVariableError(f"run config ${RT_RUN_CONFIG} {path!r} must be a mapping of sections, got {kind(data)}"
+                             f"{_UNSET}")
         _CACHE.clear()
         _CACHE[ident] = data or {}
     return _CACHE[ident]
@@ -406,7 +427,7 @@ def file_defaults(section: str, *, links: dict[str, str] | None = None, skip: It
 
         @functools.wraps(init)
         def __init__(self: Any, **kwargs: Any) -> None:
-            if os.environ.get(RT_RUN_CONFIG):
+            if os.environ.get(RT_RUN_CONFIG) and _FROM_FILE.get():
                 kwargs = {**_file_kwargs(cls, section, links, skip, set(kwargs)), **kwargs}
             init(self, **kwargs)
 
