@@ -41,6 +41,7 @@ MONITOR_CONFIGS = {
     "nan": ("hang: {default_timeout_s: .nan}", "finite"),
     "billion-laughs": (LAUGHS, "aliases"),
     "unbindable-host": ("metrics: {prometheus_host: 192.0.2.1}", "cannot serve Prometheus on 192.0.2.1"),
+    "duplicate-key": ("hang: {default_timeout_s: 5}\nhang: {default_timeout_s: 600}", "key 'hang' given twice"),
 }
 
 
@@ -58,6 +59,16 @@ def test_bad_monitor_config(tmp_path: Path, case: str) -> None:
 def test_monitor_config_missing_or_a_directory(tmp_path: Path) -> None:
     assert "does not exist" in _run(tmp_path, "--monitor-config", str(tmp_path / "nope.yaml"))
     assert "is a directory" in _run(tmp_path, "--monitor-config", str(tmp_path))
+
+
+@pytest.mark.timeout(60)
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_it_and_its_lines(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys silently: a setting its author believes in would be dropped."""
+    path = tmp_path / "run.yaml"
+    path.write_text("checkpoint:\n  interval: 10\n  keep_last: 2\n  interval: 25\n")
+    line = _run(tmp_path, "--config", str(path))
+    assert line == (f"resilient-train: error: --config {str(path)!r}: not valid YAML: key 'interval' given twice "
+                    "(first on line 2) (line 4, column 3)"), line
 
 
 CHAOS = {
