@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,9 @@ class DiskCheckpoints:
         rank holds this rank's shards and writes them; ``suspended()``: the commit gate kept out of an
         optimizer step that DCP makes to create an empty optimizer's state."""
         if LOCAL_KEY not in config.local_keys:
-            raise ValueError(f"the supervisor's checkpoint config must list {LOCAL_KEY!r} in local_keys")
+            # The supervisor's own per-rank entry (RNG, data position): not the user's to list. A run config's
+            # checkpoint section (--checkpoint.interval=N) does not, and every rank died of it.
+            config = replace(config, local_keys=(*config.local_keys, LOCAL_KEY))
         self.config = config
         self.rank = rank
         self.sharded = sharded

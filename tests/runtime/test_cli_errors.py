@@ -93,7 +93,8 @@ def test_a_bad_run_config_variable_is_one_line_naming_it_and_help_never_reads_it
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["words", "broken-yaml", "gone", "a-directory"])
 def test_every_bad_run_config_variable_is_one_line_naming_it(tmp_path, case):
-    from monitors.configtree import RunConfigVariableError, file_section
+    from monitors.runfile import file_section
+    from monitors.configtree import RunConfigVariableError
 
     path = _bad_run_configs(tmp_path)[case]
     with pytest.raises(RunConfigVariableError) as e:
