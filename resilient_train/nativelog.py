@@ -14,7 +14,9 @@ torch loads, so the lines are folded where they are read instead:
   connection warnings after its first are dropped (they all say the same);
 * the agent's own stderr (:class:`FoldedStderr`, installed by the CLI): its
   store connection warnings are dropped, since each comes with an error the
-  agent reports itself; any other block becomes its first line.
+  agent reports itself; any other block becomes its first line. The console's
+  lines (the ranks', the agent's one-line notices) do not pass this way: they
+  go straight to the real stderr (resilient_train.console).
 
 Files written by ``--log-dir``/``--tee`` keep every line as it came.
 """
