@@ -17,7 +17,12 @@ archive BASE | tar -x -C DIR``): the same runs with its code, side by side.
 
 The agent's CPU time (utime + stime of the agent process alone) is read from
 /proc once it exited and before it is reaped (waitid WNOWAIT), so nothing it
-spent is missed and nothing of its ranks is counted.
+spent is missed and nothing of its ranks is counted. A whole agent's CPU is
+mostly its start (torch's import) and its 50 ms loop, so the relay's own cost
+per line is measured apart too (``relay``): one worker's ``WorkerOutput`` in
+this process, a child printing N lines to one stream as fast as it can
+(``flood``) or one a millisecond (``paced``: a wakeup a line, as a job that
+prints every step), the console a null sink; this process's CPU time per line.
 """
 
 from __future__ import annotations
@@ -78,6 +83,34 @@ def agent_run(repo: Path, args: list[str], *, to_pipe: bool, tmp: Path) -> tuple
     return cpu, wall, got[0] if to_pipe else (tmp / "stdout.txt").stat().st_size
 
 
+RELAY = """
+import io, resource, subprocess, sys, tempfile
+from pathlib import Path
+from resilient_train.workerio import Console, OutputConfig, WorkerOutput
+stream, paced, n = sys.argv[1], sys.argv[2] == "paced", int(sys.argv[3])
+child = (f"import sys, time\\nfor i in range({n}):\\n    print(f'step {{i}} loss 1.2345 lr 0.001', file=sys.{stream}, "
+         f"flush=True)\\n" + ("    time.sleep(0.001)\\n" if paced else ""))
+class Null(io.RawIOBase):
+    def writable(self): return True
+    def write(self, b): return len(b)
+console = Console(out=io.BufferedWriter(Null()), err=io.BufferedWriter(Null()))
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+out = WorkerOutput(rank=0, local_rank=0, attempt=0, config=OutputConfig(), console=console,
+                   log_dir=Path(tempfile.mkdtemp()))
+p = subprocess.Popen([sys.executable, "-c", child], **out.popen_kwargs())
+out.start(p); p.wait(); out.drain()
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+print((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / n * 1e6, file=sys.stderr)
+"""
+
+
+def relay_us(repo: Path, stream: str, pace: str, n: int) -> float:
+    """The relay's CPU microseconds per line (its stdout is /dev/null: a worker writes there itself unless read)."""
+    p = subprocess.run([sys.executable, "-c", RELAY, stream, pace, str(n)], env={**os.environ, "PYTHONPATH": str(repo)},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=True)
+    return float(p.stderr.split()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repo-before", type=Path, default=None)
@@ -91,6 +124,14 @@ def main() -> None:
     repos = {"after": REPO, **({"before": a.repo_before.resolve()} if a.repo_before else {})}
     cases = {"gpt": [str(REPO / "examples" / "train_gpt.py"), "--steps", str(a.steps), *GPT_ARGS],
              "flood": [str(flood), str(a.lines)]}
+    print(f"relay CPU per line, microseconds (median of {a.runs})")
+    for stream in ("stdout", "stderr"):
+        for pace, n in (("flood", 100_000), ("paced", 5_000)):
+            row = []
+            for name, repo in repos.items():
+                runs = sorted(relay_us(repo, stream, pace, n) for _ in range(a.runs))
+                row.append(f"{name} {runs[len(runs) // 2]:6.2f}")
+            print(f"{stream} {pace:5s} ({n} lines): " + ", ".join(row), flush=True)
     print(f"agent CPU seconds (median of {a.runs}), 2 ranks; wall seconds in brackets")
     for case, args in cases.items():
         for name, repo in repos.items():

@@ -48,7 +48,7 @@ class Console:
         self._streams = {Std.OUT: out if out is not None else sys.stdout.buffer,
                          Std.ERR: err if err is not None else _copy_of_stderr()}
         self._locks = {Std.OUT: threading.Lock(), Std.ERR: threading.Lock()}
-        self._closed = Std.NONE
+        self._closed = {Std.OUT: False, Std.ERR: False}  # a dict, not an IntFlag: `flag & std` costs 1 us a line
         self.on_closed: Callable[[Std], None] | None = None  # called once per stream, by the writer that found it
         self._shown: dict[tuple[bytes, ...], tuple[int, int]] = {}  # traceback -> (rank, attempt) that showed it
         self._interrupted = threading.Event()  # the agent got SIGINT: a KeyboardInterrupt's traceback is one line
@@ -56,7 +56,9 @@ class Console:
     @property
     def relays_stdout(self) -> bool:
         """Whether the ranks' stdout must pass through the agent: its stdout can close under them (a pipe, a
-        socket), or is no file at all."""
+        socket), or is no file at all; once it closed (a replacement's stdout goes to its log file)."""
+        if self._closed[Std.OUT]:
+            return True
         try:
             fd = self._streams[Std.OUT].fileno()
         except (OSError, ValueError, AttributeError):  # no file (a test's buffer): only a relay reaches it
@@ -68,7 +70,7 @@ class Console:
         return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
     def is_closed(self, std: Std) -> bool:
-        return bool(self._closed & std)
+        return self._closed[std]
 
     def interrupt(self) -> None:
         """The agent received SIGINT (Ctrl-C): the ranks' KeyboardInterrupt tracebacks become one line each."""
@@ -76,10 +78,10 @@ class Console:
 
     def write(self, data: bytes, std: Std = Std.ERR) -> bool:
         """Writes ``data`` to the stream; False once it is closed (its reader went): the caller keeps it."""
-        if self._closed & std:
+        if self._closed[std]:
             return False
         with self._locks[std]:
-            if self._closed & std:
+            if self._closed[std]:
                 return False
             stream = self._streams[std]
             try:
@@ -93,7 +95,7 @@ class Console:
                     raise
             except ValueError:  # the stream object itself was closed
                 pass
-            self._closed |= std
+            self._closed[std] = True
             _to_null(stream)
         if self.on_closed is not None:
             self.on_closed(std)
@@ -102,16 +104,16 @@ class Console:
     def closed(self, std: Std) -> None:
         """``std`` was found closed elsewhere (the agent's stderr pump, resilient_train.nativelog)."""
         with self._locks[std]:
-            if self._closed & std:
+            if self._closed[std]:
                 return
-            self._closed |= std
+            self._closed[std] = True
         if self.on_closed is not None:
             self.on_closed(std)
 
     def traceback(self, block: list[bytes], prefix: bytes, *, rank: int, attempt: int) -> bool:
         """Shows a traceback on stderr, or one line if it was shown before (by another rank or attempt);
         False if stderr is closed."""
-        if self._closed & Std.ERR:
+        if self._closed[Std.ERR]:
             return False
         key = tuple(strip_rank_prefix(line).rstrip() for line in block)
         # Ctrl-C reaches the ranks and the agent at once: a rank's traceback may come before the agent's

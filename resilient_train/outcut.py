@@ -42,7 +42,7 @@ class LineCutter:
     def feed(self, chunk: bytes) -> list[tuple[bytes, bool]]:
         if not self._rest and not self._open and chunk.endswith(b"\n") and len(chunk) <= self._bound \
                 and b"\r" not in chunk:  # whole lines, the usual read: at the cost of a split
-            return [(line + b"\n", True) for line in chunk[:-1].split(b"\n")]
+            return [(line, True) for line in chunk.splitlines(keepends=True)]  # no "\r" in it: "\n" only
         return list(self._cut(chunk))
 
     def _cut(self, chunk: bytes) -> Iterator[tuple[bytes, bool]]:
