@@ -87,9 +87,10 @@ RELAY = """
 import io, resource, subprocess, sys, tempfile
 from pathlib import Path
 from resilient_train.workerio import Console, OutputConfig, WorkerOutput
-stream, paced, n = sys.argv[1], sys.argv[2] == "paced", int(sys.argv[3])
-child = (f"import sys, time\\nfor i in range({n}):\\n    print(f'step {{i}} loss 1.2345 lr 0.001', file=sys.{stream}, "
-         f"flush=True)\\n" + ("    time.sleep(0.001)\\n" if paced else ""))
+stream, paced, n, silent = sys.argv[1], sys.argv[2] == "paced", int(sys.argv[3]), sys.argv[4] == "silent"
+child = (f"import sys, time\\nfor i in range({n}):\\n    " + ("pass" if silent else
+         f"print(f'step {{i}} loss 1.2345 lr 0.001', file=sys.{stream}, flush=True)") + "\\n"
+         + ("    time.sleep(0.001)\\n" if paced else ""))
 class Null(io.RawIOBase):
     def writable(self): return True
     def write(self, b): return len(b)
@@ -105,10 +106,16 @@ print((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / n * 1e6, file=sy
 
 
 def relay_us(repo: Path, stream: str, pace: str, n: int) -> float:
-    """The relay's CPU microseconds per line (its stdout is /dev/null: a worker writes there itself unless read)."""
-    p = subprocess.run([sys.executable, "-c", RELAY, stream, pace, str(n)], env={**os.environ, "PYTHONPATH": str(repo)},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=True)
-    return float(p.stderr.split()[-1])
+    """The relay's CPU microseconds per line: the same child printing and silent, the difference (what starting
+    and waiting for the child cost is in both). Its stdout is /dev/null: a worker writes there itself unless read."""
+
+    def cpu(silent: str) -> float:
+        p = subprocess.run([sys.executable, "-c", RELAY, stream, pace, str(n), silent],
+                           env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, check=True)
+        return float(p.stderr.split()[-1])
+
+    return cpu("print") - cpu("silent")
 
 
 def main() -> None:
