@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from monitors.configtree import file_defaults
+from monitors.runfile import file_defaults
 
 __all__ = ["AsyncMode", "CheckpointConfig", "InFlightPolicy"]
 

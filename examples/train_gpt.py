@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     p.add_argument("--ckpt-every", type=int, default=0,
-                   help="disk checkpoint interval in steps, under RUN_DIR/checkpoints (0: none; needs a run dir)")
+                   help="disk checkpoint interval in steps, under RUN_DIR/checkpoints (0: none, or the run config's "
+                        "checkpoint section: --checkpoint.interval=N; needs a run dir)")
     p.add_argument("--ckpt-mode", choices=["process", "disabled"], default="process",
                    help="process: saves are written by a background process (default); disabled: saves block")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
@@ -108,10 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps on rank 0 (0: never)")
-    p.add_argument("--rerun-mode", choices=[m.value for m in RerunMode], default="disabled",
-                   help="validate each step's results and re-run rejected steps (default disabled)")
-    p.add_argument("--rerun-on-genuine", choices=[m.value for m in OnGenuine], default="skip",
-                   help="a genuine numerical event: skip the batch, or save and stop with exit code 17 (default skip)")
+    p.add_argument("--rerun-mode", choices=[m.value for m in RerunMode], default=None,
+                   help="validate each step's results and re-run rejected steps (default: the run config's "
+                        "rerun.mode, disabled)")
+    p.add_argument("--rerun-on-genuine", choices=[m.value for m in OnGenuine], default=None,
+                   help="a genuine numerical event: skip the batch, or save and stop with exit code 17 (default: the "
+                        "run config's rerun.on_genuine, skip)")
     p.add_argument("--reproducible", action="store_true",
                    help="deterministic algorithms and one intra-op thread: bitwise-reproducible runs")
     p.add_argument("--snapshot-every", type=int, default=0,
@@ -147,16 +150,24 @@ def main(argv: list[str] | None = None, *,
     args = parse_args(argv)
     cfg = GPTConfig(d_model=args.d_model, layers=args.layers, heads=args.heads, seq_len=args.seq_len)
     run_dir = rt.WorkerEnv.from_environ().run_dir
-    checkpoint = (
-        default_checkpoint_config(run_dir, args.ckpt_every, mode=args.ckpt_mode) if args.ckpt_every and run_dir else None
-    )
-    rerun = RerunConfig(mode=args.rerun_mode, on_genuine=args.rerun_on_genuine)
-    cupti = CuptiConfig(report_every_steps=args.cupti_every) if args.cupti_every else None
-    sup = rt.Supervisor(rt.SupervisorConfig(
-        steps=args.steps, checkpoint=checkpoint, rerun=rerun, cupti=cupti,
-        snapshot_every=args.snapshot_every or None, preemption=args.preemption,
-        **({"reproducible": True} if args.reproducible else {}),
-    ))
+    # Only what this script's flags set is passed: a field left out comes from the run config under
+    # `resilient-train run` (--config FILE, --checkpoint.interval=N, ...), else from its default. A field
+    # passed wins over the run config, and the runtime says so once.
+    own: dict = {}
+    if args.ckpt_every and run_dir:
+        own["checkpoint"] = default_checkpoint_config(run_dir, args.ckpt_every, mode=args.ckpt_mode)
+    rerun = {k: v for k, v in (("mode", args.rerun_mode), ("on_genuine", args.rerun_on_genuine)) if v is not None}
+    if rerun:
+        own["rerun"] = RerunConfig(**rerun)
+    if args.cupti_every:
+        own["cupti"] = CuptiConfig(report_every_steps=args.cupti_every)
+    if args.snapshot_every:
+        own["snapshot_every"] = args.snapshot_every
+    if args.preempt_grace is not None:
+        own["preemption"] = args.preemption
+    if args.reproducible:
+        own["reproducible"] = True
+    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, **own))
     if sup.env.replacement:
         # A replacement takes its weights from a peer: skip initialisation.
         with torch.device("meta"):

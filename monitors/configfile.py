@@ -2,7 +2,8 @@
 
 A config file is plain data and nothing more: YAML (JSON is a subset) read by
 a safe loader that also refuses anchors and aliases, since a 446-byte file of
-nested aliases expands to gigabytes ("billion laughs"); at most
+nested aliases expands to gigabytes ("billion laughs"), and a key given twice
+in one mapping (YAML would keep the last silently); at most
 :data:`MAX_CONFIG_BYTES` and :data:`MAX_NESTING` levels. Every mistake is a
 ``ValueError`` whose one-line message names the file and the field, so the
 command line can print it and exit 2 before any worker starts.
@@ -63,6 +64,25 @@ class _PlainLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A key given twice is refused: YAML keeps the last one silently, so a setting the author believes
+        in would be dropped (YAML 1.2 requires keys to be unique)."""
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    earlier = first.setdefault(key, key_node.start_mark)
+                except TypeError:  # an unhashable key: the constructor says so itself
+                    continue
+                if earlier is not key_node.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice (first on line {earlier.line + 1})",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 def load_config_file(path: str | os.PathLike[str], what: str) -> Any:

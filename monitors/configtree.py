@@ -11,13 +11,13 @@ the fields' type hints (``resilient_train.runconfig`` composes the root):
 * :func:`parse_text` reads one ``--key=value`` flag's text as that field's type;
 * :func:`renamed` keeps a field's old name working for one release (a
   ``DeprecationWarning``, once per name and process);
-* :func:`file_defaults`: a field a caller leaves out takes its value from the
-  run config file named by :data:`RT_RUN_CONFIG` (what the agent hands its ranks);
-  a value the caller passes always wins.
+* :data:`RT_RUN_CONFIG` names the run config file the agent hands its ranks
+  (:mod:`monitors.runfile` reads it).
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import enum
 import functools
@@ -32,14 +32,23 @@ from typing import Any, Callable, Iterable, TypeVar
 import yaml
 
 from monitors.configfile import (
-    MAX_CONFIG_BYTES, MAX_COUNT, MAX_SECONDS, _PlainLoader, kind, load_config_file, require_bool, require_int, require_number,
+    MAX_CONFIG_BYTES, MAX_COUNT, MAX_SECONDS, _PlainLoader, kind, require_bool, require_int, require_number,
     require_str,
 )
 
-__all__ = ["RT_RUN_CONFIG", "build", "build_kwargs", "convert", "dataclass_in", "file_defaults", "file_section", "hints",
-           "leaf_keys", "parse_text", "renamed", "set_key", "to_plain", "type_at", "type_name"]
+__all__ = ["FROM_FILE", "RT_RUN_CONFIG", "RunConfigVariableError", "build", "build_kwargs", "convert", "dataclass_in", "field_default",
+           "hints", "leaf_keys", "parse_text", "renamed", "set_key", "to_plain", "type_at", "type_name"]
 
 RT_RUN_CONFIG = "RT_RUN_CONFIG"  # the run config file (YAML) the agent wrote; ranks default their configs from it
+# Whether a config built now takes the fields its caller leaves out from that file (monitors.runfile): off while
+# a field's own default is computed (``--help``, the docs), which must not depend on the environment.
+FROM_FILE: contextvars.ContextVar[bool] = contextvars.ContextVar("rt_defaults_from_file", default=True)
+
+
+class RunConfigVariableError(ValueError):
+    """The file ``RT_RUN_CONFIG`` names cannot be read as a run config: one line naming the variable and the
+    file, never prefixed with a section's name."""
+
 
 T = TypeVar("T")
 _NONE = type(None)
@@ -82,7 +91,7 @@ def leaf_keys(root: type, *, skip: Iterable[str] = (), prefix: str = "") -> list
     """Every settable key under ``root``: (dotted key, type, default); nested dataclasses are walked."""
     skip = set(skip)
     out: list[tuple[str, Any, Any]] = []
-    defaults = {f.name: _default(f) for f in dataclasses.fields(root)}
+    defaults = {f.name: field_default(f) for f in dataclasses.fields(root)}
     for name, tp in hints(root).items():
         key = f"{prefix}{name}"
         if key in skip:
@@ -95,11 +104,17 @@ def leaf_keys(root: type, *, skip: Iterable[str] = (), prefix: str = "") -> list
     return out
 
 
-def _default(f: dataclasses.Field) -> Any:
+def field_default(f: dataclasses.Field) -> Any:
+    """The field's own default: never one a run config file would give (``--help`` and the docs must not
+    depend on the environment, which may name a file that is gone)."""
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
+        token = FROM_FILE.set(False)
+        try:
+            return f.default_factory()
+        finally:
+            FROM_FILE.reset(token)
     return dataclasses.MISSING
 
 
@@ -208,6 +223,8 @@ def build(cls: type[T], data: Any, key: str, *, skip: Iterable[str] = (), root: 
     kwargs = build_kwargs(cls, data, key, skip=skip, root=root)
     try:
         return cls(**kwargs)
+    except RunConfigVariableError:
+        raise
     except ValueError as e:
         raise ValueError(_keyed(cls, key, str(e))) from None
     except TypeError as e:
@@ -357,78 +374,6 @@ def renamed(**old_to_new: str) -> Callable[[type[T]], type[T]]:
         return cls
 
     return wrap
-
-
-# ------------------------------------------------- defaults from the run's file
-_CACHE: dict[tuple[str, int, int], Any] = {}
-
-
-def _file_root(environ: "os._Environ[str] | dict[str, str] | None" = None) -> dict[str, Any] | None:
-    path = (os.environ if environ is None else environ).get(RT_RUN_CONFIG)
-    if not path:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise ValueError(f"run config ${RT_RUN_CONFIG} {path!r} cannot be read: {e.strerror or e}") from None
-    ident = (path, st.st_mtime_ns, st.st_size)
-    if ident not in _CACHE:
-        data = load_config_file(path, f"run config (${RT_RUN_CONFIG})")
-        if data is not None and not isinstance(data, dict):
-            raise ValueError(f"run config ${RT_RUN_CONFIG} {path!r} must be a mapping of sections, got {kind(data)}")
-        _CACHE.clear()
-        _CACHE[ident] = data or {}
-    return _CACHE[ident]
-
-
-def file_section(section: str, environ: "os._Environ[str] | dict[str, str] | None" = None) -> Any:
-    """The plain data at dotted ``section`` of the run config file named by ``RT_RUN_CONFIG``; ``None`` when
-    there is no such variable or no such section."""
-    data: Any = _file_root(environ)
-    for name in section.split("."):
-        if not isinstance(data, dict) or name not in data:
-            return None
-        data = data[name]
-    return data
-
-
-def file_defaults(section: str, *, links: dict[str, str] | None = None, skip: Iterable[str] = ()
-                  ) -> Callable[[type[T]], type[T]]:
-    """Class decorator: in a process whose environment names a run config file (``RT_RUN_CONFIG``), the
-    fields a caller leaves out take their values from that file's ``section``; ``links`` maps a field to
-    another section that holds it (the supervisor's ``checkpoint`` is the file's ``checkpoint``). Values the
-    caller passes win; without the variable nothing changes."""
-    links = dict(links or {})
-    skip = frozenset(skip) | frozenset(links)
-
-    def wrap(cls: type[T]) -> type[T]:
-        init = cls.__init__
-
-        @functools.wraps(init)
-        def __init__(self: Any, **kwargs: Any) -> None:
-            if os.environ.get(RT_RUN_CONFIG):
-                kwargs = {**_file_kwargs(cls, section, links, skip, set(kwargs)), **kwargs}
-            init(self, **kwargs)
-
-        cls.__init__ = __init__  # type: ignore[method-assign]
-        cls.__run_config__ = (section, links, skip)  # type: ignore[attr-defined]
-        return cls
-
-    return wrap
-
-
-def _file_kwargs(cls: type, section: str, links: dict[str, str], skip: frozenset[str], given: set[str]
-                 ) -> dict[str, Any]:
-    where = f"run config (${RT_RUN_CONFIG}) {section}"
-    data = file_section(section)
-    out = build_kwargs(cls, {k: v for k, v in data.items() if k not in given and k not in skip}, where) \
-        if isinstance(data, dict) else {}
-    root = _file_root() or {}
-    types_ = hints(cls)
-    for name, other in links.items():
-        if name not in given and other in root:
-            out[name] = convert(types_[name], root[other], f"run config (${RT_RUN_CONFIG}) {other}")
-    return out
 
 
 def set_key(data: dict[str, Any], key: str, value: Any) -> None:

@@ -31,7 +31,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-from monitors.configtree import file_defaults
+from monitors.runfile import file_defaults
 
 # Sections that end before the step's gradient all-reduce is queued. Closing an NVRx section disables
 # CUPTI's kernel activity, which waits for the kernels in flight: with an all-reduce queued behind a dead

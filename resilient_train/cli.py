@@ -40,6 +40,7 @@ def _cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
 
     from resilient_train.env import RT_RUN_CONFIG
     from resilient_train.agent import Agent, AgentError
+    from resilient_train.console import Std
     from resilient_train.nativelog import FoldedStderr
     from resilient_train.preflight import check_run_inputs
     from resilient_train.runflags import run_config
@@ -66,12 +67,17 @@ def _cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     config.env[RT_RUN_CONFIG] = str(path.resolve())
     # c10d's C++ warnings from the agent's own store connections, one per connection when node 0 goes, each
     # with a C++ stack: the agent says what happened in one line instead (resilient_train.nativelog).
-    with FoldedStderr():
+    # A stderr that closes under the agent (2>&1 | head) is the console's to handle (resilient_train.console).
+    folded = FoldedStderr(on_closed=lambda: agent.console.closed(Std.ERR))
+    with folded:
         try:
             return agent.run()
         except AgentError as e:  # the run gave up
-            print(f"resilient-train: {e}", file=sys.stderr)
+            agent.console.write(f"resilient-train: {e}\n".encode())
             return e.exit_code
+        finally:
+            if agent.console.is_closed(Std.ERR):
+                folded.closed()  # fd 2 becomes /dev/null: nothing said after this can raise
 
 
 def run_config_name(config: "AgentConfig") -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from checkpointing import CheckpointConfig
 from monitors.configfile import MAX_COUNT, MAX_SECONDS, require_int, require_number
-from monitors.configtree import file_defaults
+from monitors.runfile import file_defaults
 from monitors.cupti_kernels import CuptiConfig
 from resilient_train import env as envvars
 from resilient_train.preempt import PreemptionConfig
@@ -23,7 +23,8 @@ from resilient_train.rerun import RerunConfig
 __all__ = ["SupervisorConfig"]
 
 
-@file_defaults("supervisor", links={"checkpoint": "checkpoint", "rerun": "rerun", "preemption": "preemption"})
+@file_defaults("supervisor", links={"checkpoint": "checkpoint", "rerun": "rerun", "preemption": "preemption"},
+               say_overrides=True)
 @dataclass(kw_only=True)
 class SupervisorConfig:
     steps: int | None = None  # steps to train; None: the run config's supervisor.steps (the Supervisor needs one)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from checkpointing.manifest import Manifest
 from monitors import EventLog
 from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
 from resilient_train.dcp_state import DCP_FORM, FORM_KEY, Suspend, dcp_state_dict, dcp_targets, load_dcp_state, saveable
-from resilient_train.errors import UsageError
+from resilient_train.errors import UsageError, WrongInput
 from resilient_train.fence import check_fence
 from resilient_train.store import Keys, wait_until
 from resilient_train.train_state import TrainState
@@ -56,7 +57,9 @@ class DiskCheckpoints:
         rank holds this rank's shards and writes them; ``suspended()``: the commit gate kept out of an
         optimizer step that DCP makes to create an empty optimizer's state."""
         if LOCAL_KEY not in config.local_keys:
-            raise ValueError(f"the supervisor's checkpoint config must list {LOCAL_KEY!r} in local_keys")
+            # The supervisor's own per-rank entry (RNG, data position): not the user's to list. A run config's
+            # checkpoint section (--checkpoint.interval=N) does not, and every rank died of it.
+            config = replace(config, local_keys=(*config.local_keys, LOCAL_KEY))
         self.config = config
         self.rank = rank
         self.sharded = sharded
@@ -130,10 +133,13 @@ class DiskCheckpoints:
         except TimeoutError:  # still being written: it may yet commit, but this rank's grace is over
             return False
 
-    def load_agreed(self, state: TrainState, store: dist.Store, generation: int, *, timeout: float) -> int | None:
+    def load_agreed(self, state: TrainState, store: dist.Store, generation: int, *, timeout: float,
+                    steps: int | None = None) -> int | None:
         """Every rank loads the same step: rank 0 picks the newest committed one.
 
-        Returns the step loaded, or None when there is no checkpoint at all.
+        Returns the step loaded, or None when there is no checkpoint at all. A checkpoint past ``steps``, the
+        run's last step, is the user's input contradicting itself (``--steps 20`` in a run directory that
+        holds step 30): every rank raises the same :class:`WrongInput` before loading anything (exit code 2).
         """
         key = Keys.gen_scope(generation, "disk_step")
         if self.rank == 0:
@@ -144,6 +150,10 @@ class DiskCheckpoints:
         chosen = store.get(key).decode()
         if not chosen:
             return None
+        if steps is not None and int(chosen) > steps:
+            raise WrongInput(f"steps={steps} is below step {chosen} of the checkpoint it would resume from "
+                             f"({self.config.directory}): train to step {chosen} or more, or start in another run "
+                             "directory")
         try:
             loaded, manifest = self._manager.load(step=int(chosen), into=lambda m: self._targets(state, m))
         except NoCheckpointError:

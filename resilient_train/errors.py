@@ -21,6 +21,7 @@ __all__ = [
     "GenerationFailed",
     "JobStopped",
     "UsageError",
+    "WrongInput",
     "classify",
 ]
 
@@ -31,6 +32,11 @@ class GenerationFailed(RuntimeError):
 
 class UsageError(ValueError):
     """The runtime is used in a way it cannot work with: the job stops with this one line."""
+
+
+class WrongInput(UsageError):
+    """The job's own input contradicts itself, found once the ranks run (a ``steps`` below the step of the
+    checkpoint it resumes from): the job stops with this one line and exit code 2, as a bad flag does."""
 
 
 class JobStopped(Exception):

@@ -198,13 +198,14 @@ def restore_live(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Ste
 
 def restore_from_disk(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Stepper,
                       disk: DiskCheckpoints | None, store: dist.Store, events: EventLog, buddy: HostCopies | None,
-                      timeout: float) -> None:
-    """The checkpoint every rank agreed to load (``ResumeSource.DISK``), or the start if there is none."""
+                      timeout: float, steps: int) -> None:
+    """The checkpoint every rank agreed to load (``ResumeSource.DISK``), or the start if there is none (one
+    past the run's last step, ``steps``, is refused: resilient_train.disk)."""
     loaded = None
     if disk is not None:
         stepper.enter("load", state.step)
         stepper.live = None
-        loaded = disk.load_agreed(state, store, plan.generation, timeout=timeout)
+        loaded = disk.load_agreed(state, store, plan.generation, timeout=timeout, steps=steps)
     if loaded is None and plan.source is ResumeSource.DISK:
         raise JoinError("no live replica holds a recoverable step and there is no checkpoint to fall back on")
     if loaded is not None:

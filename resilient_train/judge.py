@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from checkpointing.errors import storage_stop
 from resilient_train import exitcodes
-from resilient_train.errors import Failure, FailureKind, UsageError, classify
+from resilient_train.errors import Failure, FailureKind, UsageError, WrongInput, classify
 
 __all__ = ["Judge", "Stop"]
 
@@ -62,7 +62,8 @@ class Judge:
             return Stop(reason=str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__, exit_code=storage)
         failure = classify(exc)
         if failure.kind is FailureKind.USAGE:
-            return Stop(reason=str(exc), traceback="" if isinstance(exc, UsageError) else _text(exc))
+            return Stop(reason=str(exc), traceback="" if isinstance(exc, UsageError) else _text(exc),
+                        exit_code=exitcodes.BAD_INPUT if isinstance(exc, WrongInput) else exitcodes.STOPPED)
         # An exception raised while the generation was already failing is a consequence, never a verdict.
         if failure.kind is FailureKind.EXCEPTION and not generation_moved and not getattr(exc, "injected", False):
             seen = self._exceptions.get(failure.signature)

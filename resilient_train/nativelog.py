@@ -14,7 +14,9 @@ torch loads, so the lines are folded where they are read instead:
   connection warnings after its first are dropped (they all say the same);
 * the agent's own stderr (:class:`FoldedStderr`, installed by the CLI): its
   store connection warnings are dropped, since each comes with an error the
-  agent reports itself; any other block becomes its first line.
+  agent reports itself; any other block becomes its first line. The console's
+  lines (the ranks', the agent's one-line notices) do not pass this way: they
+  go straight to the real stderr (resilient_train.console).
 
 Files written by ``--log-dir``/``--tee`` keep every line as it came.
 """
@@ -25,7 +27,9 @@ import os
 import re
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
+
+from resilient_train.outcut import LINE_BOUND
 
 __all__ = ["FoldedStderr", "NativeLogFolder"]
 
@@ -75,13 +79,19 @@ class FoldedStderr:
 
     Python's own writes to stderr go the same way (and arrive in order with the
     C++ ones). The reader is a daemon thread; ``close`` puts the real stderr back
-    and lets it drain what was written before.
+    and lets it drain what was written before. A real stderr that closes (``2>&1 |
+    head``) is told to ``on_closed`` once; what comes after is dropped, and so
+    is anything written to fd 2 after ``close`` (it is /dev/null then), so the
+    agent's last words cannot raise. A line without an end is passed on in
+    pieces of at most ``LINE_BOUND`` bytes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_closed: Callable[[], None] | None = None) -> None:
         self._folder = NativeLogFolder(drop_store=True)
         self._saved: int | None = None
         self._thread: threading.Thread | None = None
+        self._on_closed = on_closed
+        self.real_closed = False
 
     def __enter__(self) -> "FoldedStderr":
         sys.stderr.flush()
@@ -101,10 +111,17 @@ class FoldedStderr:
     def close(self) -> None:
         if self._saved is None:
             return
-        sys.stderr.flush()
+        try:
+            sys.stderr.flush()
+        except OSError:
+            pass
         os.dup2(self._saved, 2)  # the pipe's last writer here is gone: the reader sees its end
         if self._thread is not None:
             self._thread.join(timeout=2.0)  # a child that inherited fd 2 may hold the pipe open
+        if self.real_closed:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 2)
+            os.close(null)
         os.close(self._saved)
         self._saved = None
 
@@ -118,19 +135,26 @@ class FoldedStderr:
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 out = b"".join(self._show(line + b"\n") for line in lines)
-                if out:
-                    _write_all(out_fd, out)
-            if buffer:
-                _write_all(out_fd, self._show(buffer))
+                if len(buffer) > LINE_BOUND:  # a line without an end: on in pieces, not held whole
+                    out, buffer = out + buffer, b""
+                if out and not self.real_closed:
+                    self._write(out_fd, out)
+            if buffer and not self.real_closed:
+                self._write(out_fd, self._show(buffer))
+
+    def closed(self) -> None:
+        """The real stderr was found closed elsewhere: ``close`` leaves /dev/null on fd 2."""
+        self.real_closed = True
 
     def _show(self, line: bytes) -> bytes:
         shown = self._folder.feed(line)
         return line if shown is None else b"".join(shown)
 
-
-def _write_all(fd: int, data: bytes) -> None:
-    try:
-        while data:
-            data = data[os.write(fd, data):]
-    except OSError:  # the real stderr is gone (its reader exited): nothing to show it on
-        pass
+    def _write(self, fd: int, data: bytes) -> None:
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError:  # the real stderr is gone (its reader exited): nothing to show it on
+            self.real_closed = True
+            if self._on_closed is not None:
+                self._on_closed()

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from monitors.configtree import file_defaults
+from monitors.runfile import file_defaults
 from resilient_train import exitcodes
 from resilient_train.shutdown import EXIT_RESERVE_S, auto_grace, check_seconds, publish_grace, record_preempted
 

@@ -38,7 +38,8 @@ import yaml
 from checkpointing import CheckpointConfig
 from monitors import MonitorConfig
 from monitors.configfile import load_config_file
-from monitors.configtree import build, convert, dataclass_in, leaf_keys, parse_text, set_key, to_plain, type_at
+from monitors.configtree import (RunConfigVariableError, build, convert, dataclass_in, leaf_keys, parse_text, set_key,
+                                 to_plain, type_at)
 from monitors.dashboard.server import DashboardConfig
 from resilient_train.agent.config import AgentConfig
 from resilient_train.config import SupervisorConfig
@@ -105,6 +106,8 @@ class RunConfig:
                 run_dir = agent.get("run_dir", AgentConfig.run_dir) if isinstance(agent, dict) else AgentConfig.run_dir
                 data = {**data, "checkpoint": {**ckpt, "directory": str(Path(str(run_dir)) / "checkpoints")}}
             return build(cls, data, "", skip=SKIP)
+        except RunConfigVariableError:
+            raise
         except ValueError as e:
             raise ValueError(f"{label}: {e}") from None
 

@@ -265,7 +265,7 @@ class Supervisor:
         else:
             restore_from_disk(plan, state=state, rank=self.env.rank, stepper=self.stepper, disk=self.disk,
                               store=self.store, events=self.events, buddy=self.buddy,
-                              timeout=self.config.join_timeout_s)
+                              timeout=self.config.join_timeout_s, steps=self.config.steps)
         self._fresh = self._new_process = False
         self._rebuild_ddp(first=plan.source is ResumeSource.START)
         if self._on_new_group is not None:

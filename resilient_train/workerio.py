@@ -1,7 +1,8 @@
 """The workers' output: the console, torchrun's log files, and the tracebacks seen.
 
-Every worker's stderr passes through the agent (its stdout only when a flag
-asks for it), so that:
+Every worker's stderr passes through the agent (its stdout when a flag asks
+for it, or when the agent's own stdout is a pipe that may close:
+resilient_train.console), so that:
 
 * a traceback printed by several ranks, or by every attempt of a script that
   fails the same way each time, is shown once; the repeats are one line naming
@@ -11,7 +12,13 @@ asks for it), so that:
   agent, which names the first failure as the cause and stops a job that keeps
   failing the same way;
 * torchrun's ``--log-dir``, ``--redirects``, ``--tee`` and
-  ``--local-ranks-filter`` work as they do there.
+  ``--local-ranks-filter`` work as they do there;
+* what a worker writes reaches the console as it writes it: its stdout as
+  read, its stderr a line at a time, and a progress bar's ``\r`` redraws at
+  once (resilient_train.outcut); the agent holds at most ``LINE_BOUND`` bytes
+  of a line without an end;
+* a console stream whose reader went (``| head``) is not the worker's
+  problem: what it would have shown goes to the worker's log file instead.
 
 Log files go to ``LOG_DIR/attempt_N/LOCAL_RANK/{stdout,stderr}.log`` and
 ``error.json`` (LOG_DIR defaults to ``RUN_DIR/logs``).
@@ -21,35 +28,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass, field
-from enum import IntFlag
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from resilient_train.console import Console, Std, strip_rank_prefix
 from resilient_train.nativelog import NativeLogFolder
+from resilient_train.outcut import LineCutter, Prefixer
 
 __all__ = ["Console", "OutputConfig", "Std", "WorkerOutput", "parse_std_streams", "read_error_file"]
 
-_RANK_PREFIX = re.compile(rb"^\[rank\d+\]:\s?")  # torch's excepthook prefixes each line once a group exists
 _TRACEBACK = b"Traceback (most recent call last):"
 # Python's words between the tracebacks of a chain of exceptions: the chain is one traceback to show.
 _CHAINED = (b"During handling of the above exception", b"The above exception was the direct cause")
 CHAIN_WAIT_S = 0.3  # how long a traceback's last line waits for a chained exception before it is shown
 DRAIN_S = 2.0  # how long a dead worker's last output may take to arrive
-INTERRUPT_WAIT_S = 0.5  # how long a KeyboardInterrupt's traceback waits to learn whether Ctrl-C caused it
-
-
-class Std(IntFlag):
-    """torchrun's stream selection: 0 none, 1 stdout, 2 stderr, 3 both."""
-
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
+READ_SIZE = 64 * 1024  # one read of a worker's pipe (a pipe holds 64 KiB)
 
 
 def parse_std_streams(value: str, nproc: int, flag: str) -> dict[int, Std]:
@@ -102,47 +98,6 @@ class OutputConfig:
         return any(self.tee.values()) or self.local_ranks_filter is not None
 
 
-class Console:
-    """The agent's stdout and stderr, shared by every relay; remembers the tracebacks shown."""
-
-    def __init__(self, out: IO[bytes] | None = None, err: IO[bytes] | None = None) -> None:
-        self._streams = {Std.OUT: out if out is not None else sys.stdout.buffer,
-                         Std.ERR: err if err is not None else sys.stderr.buffer}
-        self._lock = threading.Lock()
-        self._shown: dict[tuple[bytes, ...], tuple[int, int]] = {}  # traceback -> (rank, attempt) that showed it
-        self._interrupted = threading.Event()  # the agent got SIGINT: a KeyboardInterrupt's traceback is one line
-
-    def interrupt(self) -> None:
-        """The agent received SIGINT (Ctrl-C): the ranks' KeyboardInterrupt tracebacks become one line each."""
-        self._interrupted.set()
-
-    def write(self, data: bytes, std: Std = Std.ERR) -> None:
-        with self._lock:
-            self._streams[std].write(data)
-            self._streams[std].flush()
-
-    def traceback(self, block: list[bytes], prefix: bytes, *, rank: int, attempt: int) -> None:
-        """Shows a traceback on stderr, or one line if it was shown before (by another rank or attempt)."""
-        key = tuple(_RANK_PREFIX.sub(b"", line).rstrip() for line in block)
-        err = self._streams[Std.ERR]
-        # Ctrl-C reaches the ranks and the agent at once: a rank's traceback may come before the agent's
-        # handler has run, so a KeyboardInterrupt's waits a moment for it.
-        interrupted = key[-1].startswith(b"KeyboardInterrupt") and self._interrupted.wait(INTERRUPT_WAIT_S)
-        with self._lock:
-            if interrupted:
-                err.write(prefix + f"[rank{rank}]: interrupted (KeyboardInterrupt)\n".encode())
-                err.flush()
-                return
-            first = self._shown.setdefault(key, (rank, attempt))
-            if first == (rank, attempt):
-                err.write(b"".join(prefix + line for line in block))
-            else:
-                where = f"rank {first[0]}" + (f" in attempt {first[1]}" if first[1] != attempt else "")
-                last = key[-1].decode(errors="replace")
-                err.write(prefix + f"[rank{rank}]: the same traceback as {where}: {last}\n".encode())
-            err.flush()
-
-
 class WorkerOutput:
     """One worker's pipes: what goes to the console and to files, and the last exception it printed."""
 
@@ -159,7 +114,7 @@ class WorkerOutput:
         self.error_file.unlink(missing_ok=True)  # a replacement's file is its own
         self.last_exception: str | None = None
         self._threads: list[threading.Thread] = []
-        self._pipe_out = bool(self._file & Std.OUT) or not (self._show & Std.OUT)
+        self._pipe_out = bool(self._file & Std.OUT) or not (self._show & Std.OUT) or console.relays_stdout
         self._child: tuple[int, int, int] | None = None  # the worker's fds 0, 1, 2 (child_fds)
         self._reads: dict[Std, int] = {}  # the agent's ends of the pipes, until start()
         self._extra: list[int] = []  # fds the agent opened for the worker: closed once it holds them
@@ -195,9 +150,10 @@ class WorkerOutput:
         for std, name in ((Std.ERR, "stderr.log"), (Std.OUT, "stdout.log")):
             if std not in self._reads:
                 continue
-            pipe = os.fdopen(self._reads.pop(std), "rb")
-            log = (self.dir / name).open("ab") if self._file & std else None
-            t = threading.Thread(target=self._relay, args=(pipe, std, log), daemon=True,
+            sink = _Sink(self._console, std, show=bool(self._show & std), path=self.dir / name,
+                         tee=bool(self._file & std))
+            relay = self._relay_err if std is Std.ERR else self._relay_out
+            t = threading.Thread(target=relay, args=(self._reads.pop(std), sink), daemon=True,
                                  name=f"rt-out-rank{self.rank}-{name}")
             t.start()
             self._threads.append(t)
@@ -211,43 +167,103 @@ class WorkerOutput:
         """The worker's error: its error file's message (torchrun's ``@record``), else the last exception printed."""
         return read_error_file(self.error_file) or self.last_exception
 
-    def _relay(self, pipe: IO[bytes], std: Std, log: IO[bytes] | None) -> None:
-        show = bool(self._show & std)
-        raw = (lambda block: self._console.write(b"".join(self._prefix + b for b in block))) if show else _ignore
-        tb = _TracebackBlock(on_exception=self._noted, show=self._show_traceback if show else _ignore, show_raw=raw)
-        native = NativeLogFolder()  # c10d's warnings: one line each, without their C++ stacks
+    def _relay_out(self, fd: int, sink: "_Sink") -> None:
+        """stdout: passed on as it is read (a line's start is not held for its end), prefixed under --tee."""
+        prefixed = Prefixer(self._prefix)
         try:
-            for line in iter(pipe.readline, b""):
-                if log is not None:
-                    log.write(line)
-                    log.flush()
-                if std is not Std.ERR:
-                    if show:
-                        self._console.write(self._prefix + line, Std.OUT)
-                    continue
-                folded = native.feed(line)
-                if folded is not None:
-                    if show and folded:
-                        self._console.write(b"".join(self._prefix + f for f in folded))
-                    continue
-                bare = _RANK_PREFIX.sub(b"", line)
-                if tb.feed(line, bare):
-                    continue
-                if show:
-                    self._console.write(self._prefix + line)
-        except (OSError, ValueError):
+            while chunk := os.read(fd, READ_SIZE):
+                sink.read(chunk)
+                sink.show(prefixed(chunk), chunk)
+        except OSError:
             pass
         finally:
-            tb.close()
-            if log is not None:
-                log.close()
-            pipe.close()
+            sink.close()
+            os.close(fd)
 
-    def _show_traceback(self, block: list[bytes]) -> None:
-        self._console.traceback(block, self._prefix, rank=self.rank, attempt=self.attempt)
+    def _relay_err(self, fd: int, sink: "_Sink") -> None:
+        """stderr: line by line, for its tracebacks and C++ log blocks; a bar's redraw, or a piece of a line
+        past the bound, as it comes (resilient_train.outcut)."""
+        prefix = self._prefix
+        prefixed = Prefixer(prefix)
+
+        def raw(block: list[bytes]) -> None:
+            sink.show(b"".join(prefix + line for line in block), b"".join(block))
+
+        def traceback(block: list[bytes]) -> None:
+            if not (sink.showing and self._console.traceback(block, prefix, rank=self.rank, attempt=self.attempt)):
+                sink.keep(b"".join(block))
+
+        tb = _TracebackBlock(on_exception=self._noted, show=traceback, show_raw=raw)
+        native = NativeLogFolder()  # c10d's warnings: one line each, without their C++ stacks
+        cutter = LineCutter()
+        try:
+            while chunk := os.read(fd, READ_SIZE):
+                sink.read(chunk)
+                for line, whole in cutter.feed(chunk):
+                    if not whole:
+                        tb.flush()  # a traceback gathered so far goes first
+                        sink.show(prefixed(line), line)
+                        continue
+                    folded = native.feed(line)
+                    if folded is not None:
+                        if folded:
+                            raw(folded)
+                        continue
+                    if not tb.feed(line, strip_rank_prefix(line)):
+                        sink.show(prefix + line, line)
+        except OSError:
+            pass
+        finally:
+            tb.flush()
+            rest = cutter.close()  # a last line without its end
+            if rest:
+                sink.show(prefixed(rest), rest)
+            sink.close()
+            os.close(fd)
 
     def _noted(self, bare: bytes) -> None:
         self.last_exception = bare.decode(errors="replace").strip()
+
+
+class _Sink:
+    """Where one stream of a worker goes: its log file under --tee/-r (every byte as read), the console,
+    and, once the console's stream has closed, the log file instead (what the console would have shown)."""
+
+    def __init__(self, console: Console, std: Std, *, show: bool, path: Path, tee: bool) -> None:
+        self._console, self._std, self._path = console, std, path
+        self._shown = show  # on the console at the start: kept in the log file once the console closed
+        self.showing = show and not console.is_closed(std)
+        self._tee = path.open("ab") if tee else None
+        self._kept: IO[bytes] | None = None
+        self._lock = threading.Lock()  # a traceback is shown from a timer thread too
+
+    def read(self, chunk: bytes) -> None:
+        if self._tee is not None:
+            self._tee.write(chunk)
+            self._tee.flush()
+
+    def show(self, data: bytes, raw: bytes) -> None:
+        if self.showing:
+            if self._console.write(data, self._std):
+                return
+            self.showing = False
+        self.keep(raw)
+
+    def keep(self, raw: bytes) -> None:
+        """The console cannot take ``raw``: the log file does, unless the stream was never shown or --tee
+        logged it already."""
+        if not self._shown or self._tee is not None:
+            return
+        with self._lock:
+            if self._kept is None:
+                self._kept = self._path.open("ab")
+            self._kept.write(raw)
+            self._kept.flush()
+
+    def close(self) -> None:
+        for f in (self._tee, self._kept):
+            if f is not None:
+                f.close()
 
 
 class _TracebackBlock:
@@ -279,7 +295,7 @@ class _TracebackBlock:
                     return True
                 self._flush()
             if bare.startswith(_TRACEBACK):
-                chained = any(_RANK_PREFIX.sub(b"", x).startswith(_CHAINED) for x in self.lines[-3:])
+                chained = any(strip_rank_prefix(x).startswith(_CHAINED) for x in self.lines[-3:])
                 if self.lines and not chained:
                     self._show_raw(self.lines)  # one cut short: as it came
                     self.lines = []
@@ -296,7 +312,8 @@ class _TracebackBlock:
                 self._timer.start()
             return True
 
-    def close(self) -> None:
+    def flush(self) -> None:
+        """Shows what is gathered: as a traceback if it ended, else as it came (cut short)."""
         with self._lock:
             if self._ended:
                 self._flush()
@@ -317,7 +334,7 @@ class _TracebackBlock:
     def _flush(self) -> None:
         self._cancel()
         block, self.lines, self._ended = self.lines, [], False
-        while block and not _RANK_PREFIX.sub(b"", block[-1]).strip():
+        while block and not strip_rank_prefix(block[-1]).strip():
             block.pop()  # the blank lines held for a chain that did not come
         self._show(block)
 
@@ -331,10 +348,6 @@ def _own_or_null(fd: int, flags: int, opened: list[int]) -> int:
         null = os.open(os.devnull, flags | os.O_CLOEXEC)
         opened.append(null)
         return null
-
-
-def _ignore(block: list[bytes]) -> None:
-    pass
 
 
 def read_error_file(path: Path) -> str | None:

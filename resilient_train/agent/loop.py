@@ -49,7 +49,7 @@ from resilient_train.rundir import RunDirError, take_run_dir
 from resilient_train.slurmenv import slurm_job
 from resilient_train.spares import SparePool, spare_env
 from resilient_train.store import Keys, current_generation
-from resilient_train.workerio import Console
+from resilient_train.console import Console, Std
 
 __all__ = ["Agent"]
 
@@ -81,6 +81,7 @@ class Agent:
                 raise AgentError(str(e)) from None
         self.events = EventLog(self.run_dir / "events.jsonl", source=c.source)
         self.console = Console()
+        self.console.on_closed = self._console_closed
         self.host = StoreHost(c)
         self.hangs = HangPolicy(c.monitor, self.run_dir, events=self.events, say=self._say)
         self.persist = MonitorState(self.run_dir, every_s=c.monitor_state_every_s, events=self.events, say=self._say)
@@ -373,6 +374,14 @@ class Agent:
     # -------------------------------------------------------------- words
     def _say(self, line: str) -> None:
         self.console.write(f"resilient-train: {line}\n".encode())
+
+    def _console_closed(self, std: Std) -> None:
+        """A reader of the console went (``... | head``): not the job's fault. The ranks go on, and what they
+        would have shown goes to their log files (resilient_train.workerio); said once, where it can be."""
+        name = "stdout" if std is Std.OUT else "stderr"
+        where = str(self.workers.log_dir / "attempt_N" / "LOCAL_RANK" / f"{name}.log")
+        self.events.emit("console_closed", stream=name, output=where)
+        self._say(f"{name} is closed (its reader exited): the job goes on; the ranks' {name} goes to {where}")
 
     def _announce(self) -> None:
         """What a torchrun user should know before the job starts, once."""

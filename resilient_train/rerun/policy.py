@@ -25,7 +25,7 @@ from enum import Enum
 from typing import Iterable
 
 from monitors import exitcodes
-from monitors.configtree import file_defaults
+from monitors.runfile import file_defaults
 from resilient_train.rerun.validators import Check, StepResult, ValidatorSet
 
 __all__ = [

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import GPT
+from jobs import GPT, SMALL_GPT
 from oneline import REPO, assert_one_line_exit_2, cli, session_members
 
 HOLD = Path(__file__).resolve().parent / "hold_script.py"  # prints "ready", then waits for a line on stdin
@@ -41,6 +41,7 @@ MONITOR_CONFIGS = {
     "nan": ("hang: {idle_timeout_s: .nan}", "finite"),
     "billion-laughs": (LAUGHS, "aliases"),
     "unbindable-host": ("metrics: {prometheus_host: 192.0.2.1}", "cannot serve Prometheus on 192.0.2.1"),
+    "duplicate-key": ("hang: {default_timeout_s: 5}\nhang: {default_timeout_s: 600}", "key 'hang' given twice"),
 }
 
 
@@ -58,6 +59,16 @@ def test_bad_monitor_config(tmp_path: Path, case: str) -> None:
 def test_monitor_config_missing_or_a_directory(tmp_path: Path) -> None:
     assert "does not exist" in _run(tmp_path, "--monitor-config", str(tmp_path / "nope.yaml"))
     assert "is a directory" in _run(tmp_path, "--monitor-config", str(tmp_path))
+
+
+@pytest.mark.timeout(60)
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_it_and_its_lines(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys silently: a setting its author believes in would be dropped."""
+    path = tmp_path / "run.yaml"
+    path.write_text("checkpoint:\n  interval: 10\n  keep_last: 2\n  interval: 25\n")
+    line = _run(tmp_path, "--config", str(path))
+    assert line == (f"resilient-train: error: --config {str(path)!r}: not valid YAML: key 'interval' given twice "
+                    "(first on line 2) (line 4, column 3)"), line
 
 
 CHAOS = {
@@ -159,3 +170,23 @@ def test_run_dir_is_made_private(tmp_path: Path) -> None:
     r = cli("run", "--no-spare", "--run-dir", str(fresh), str(HOLD), input="\n", timeout=90)
     assert r.returncode == 0, r.stderr
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+
+
+@pytest.mark.timeout(240)
+def test_resuming_past_the_last_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A run directory whose checkpoint is at step 10, started again with --steps 5: one line, exit 2, nothing
+    loaded (it was a traceback and exit 93). With --steps 10 there is nothing left to train: it finishes."""
+    run = tmp_path / "run"
+
+    def job(steps: int):
+        return cli("run", "--no-spare", "--nproc-per-node", "1", "--run-dir", str(run), str(GPT), "--steps",
+                   str(steps), *SMALL_GPT, "--ckpt-every", "5", "--ckpt-mode", "disabled", timeout=150)
+
+    first = job(10)
+    assert first.returncode == 0, first.stderr
+    line = assert_one_line_exit_2(job(5))
+    assert line == (f"resilient-train: job stopped: rank 0 stopped it: steps=5 is below step 10 of the checkpoint it "
+                    f"would resume from ({run / 'checkpoints'}): train to step 10 or more, or start in another run "
+                    "directory (exit code 2)"), line
+    done = job(10)
+    assert done.returncode == 0 and "resumed from the checkpoint of step 10" in done.stderr, done.stderr

@@ -61,3 +61,43 @@ def test_cupti_backend_where_it_cannot_run(tmp_path):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip().splitlines()[-1] == f"train_gpt.py: error: --cupti-every: {why}"
+
+
+def _bad_run_configs(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a config, just words\n")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("supervisor: [\n")
+    return {"words": text, "broken-yaml": broken, "gone": tmp_path / "gone.yaml", "a-directory": tmp_path}
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_run_config_variable_is_one_line_naming_it_and_help_never_reads_it(tmp_path):
+    """An RT_RUN_CONFIG left in the user's shell (the agent sets it for its ranks) that names no run config:
+    ``--help`` works without it; a command that reads it says so in one line, naming it, exit 2."""
+    from oneline import assert_one_line_exit_2, cli as isolated
+
+    from jobs import REPO
+
+    env = {"RT_RUN_CONFIG": str(_bad_run_configs(tmp_path)["words"])}
+    for help_args in (["--help"], ["run", "--help"]):
+        r = isolated(*help_args, env=env, timeout=60)
+        assert r.returncode == 0 and "usage: resilient-train" in r.stdout and not r.stderr, r.stderr
+    hold = REPO / "tests" / "runtime" / "hold_script.py"
+    r = isolated("run", "--no-spare", "--run-dir", str(tmp_path / "run"), str(hold), env=env, input="\n", timeout=60)
+    assert assert_one_line_exit_2(r) == (
+        f"resilient-train: error: run config $RT_RUN_CONFIG {env['RT_RUN_CONFIG']!r} must be a mapping of sections, "
+        "got a string (the agent sets $RT_RUN_CONFIG for its ranks: unset it to run without)")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["words", "broken-yaml", "gone", "a-directory"])
+def test_every_bad_run_config_variable_is_one_line_naming_it(tmp_path, case):
+    from monitors.runfile import file_section
+    from monitors.configtree import RunConfigVariableError
+
+    path = _bad_run_configs(tmp_path)[case]
+    with pytest.raises(RunConfigVariableError) as e:
+        file_section("supervisor", {"RT_RUN_CONFIG": str(path)})
+    text = str(e.value)
+    assert "\n" not in text and "$RT_RUN_CONFIG" in text and repr(str(path)) in text and "unset it" in text, text

@@ -271,7 +271,45 @@ def test_the_effective_config_reaches_every_rank(tmp_path: Path, fresh_warnings:
         assert sup["checkpoint"]["directory"] == str(run_dir / "checkpoints")
         assert sup["preemption"]["grace_s"] == 30.0 == d["preemption"]["grace_s"]
         assert d["own_checkpoint"]["directory"] == "elsewhere" and d["own_checkpoint"]["keep_last"] == 5
+    # The script's pg_timeout_s wins over the file's: said once (rank 0), not per rank.
+    said = [line for line in r.stderr.splitlines() if "is not used" in line]
+    assert said == ["resilient-train: the run config's supervisor.pg_timeout_s=99.0 is not used: the script passes "
+                    "SupervisorConfig(pg_timeout_s=7.0), which wins (leave pg_timeout_s out to take the run config's)"
+                    ], r.stderr
     assert os.environ.get(configtree.RT_RUN_CONFIG) is None
+
+
+def _committed(run_dir: Path) -> list[str]:
+    return sorted((p.name for p in (run_dir / "checkpoints").glob("step-*")), key=lambda n: int(n.split("-")[1]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("example", ["gpt", "ddp"])
+def test_a_checkpoint_flag_takes_effect_with_the_examples(tmp_path: Path, example: str) -> None:
+    """``--checkpoint.interval=10`` and nothing else: the examples leave the checkpoint out when their own flag
+    is not given, so the run config's section is the one used (train_gpt passed ``checkpoint=None``, which won,
+    and wrote nothing; train_ddp's ranks died: the section lacked the supervisor's own ``local`` key)."""
+    from jobs import run_ddp, run_gpt
+
+    run = run_gpt if example == "gpt" else run_ddp
+    job = run(tmp_path / "run", nproc=2, steps=20, agent_args=["--no-spare", "--checkpoint.interval=10"])
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert _committed(job.run_dir) == ["step-10", "step-20"]
+    assert "is not used" not in job.stderr, job.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_scripts_own_checkpoint_over_the_flag_is_said_once(tmp_path: Path) -> None:
+    from jobs import run_gpt
+
+    job = run_gpt(tmp_path / "run", nproc=2, steps=10, extra=["--ckpt-every", "5"],
+                  agent_args=["--no-spare", "--checkpoint.interval=10"])
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert _committed(job.run_dir) == ["step-5", "step-10"]  # the script's interval
+    said = [line for line in job.stderr.splitlines() if "is not used" in line]
+    assert said == ["resilient-train: the run config's checkpoint is not used: the script passes "
+                    "SupervisorConfig(checkpoint=CheckpointConfig(...)), which wins (leave checkpoint out to take the "
+                    "run config's)"], job.stderr
 
 
 # -------------------------------------------------------------- old names
