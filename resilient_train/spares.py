@@ -49,7 +49,8 @@ from resilient_train import fdlimit
 from resilient_train.entry import Entry
 from resilient_train.spare import BOOT, READY
 
-__all__ = ["LATE_KEYS", "SPARE_AFTER_HANDOVER_S", "Spare", "SparePool", "SpareState", "die_with_parent", "spare_env"]
+__all__ = ["LATE_KEYS", "SPARE_AFTER_HANDOVER_S", "Spare", "SparePool", "SpareState", "die_with_parent", "spare_env",
+           "spares_wanted"]
 
 SPARE_AFTER_HANDOVER_S = 3.0  # started sooner, the next spare's import slowed the recovering ranks several-fold
 HANDOVER_TIMEOUT_S = 10.0  # to write the handover (it fits a socket buffer: no wait unless the env is huge)
@@ -82,6 +83,13 @@ def _spare_preexec() -> None:
     worker's dispositions back at its handover (resilient_train.spare)."""
     die_with_parent()
     ignore_stop_signals()
+
+
+def spares_wanted(spares: int | None, nproc_per_node: int, *, waiting: bool) -> int:
+    """``--spares`` (default 1: one lost rank); a spare node still waiting: one per local rank it may take over."""
+    if waiting:
+        return max(nproc_per_node, spares or 0)
+    return 1 if spares is None else spares
 
 
 def cold_ignored_signals() -> list[str]:

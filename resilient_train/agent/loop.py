@@ -47,7 +47,7 @@ from resilient_train import exitcodes
 from resilient_train.entry import Entry
 from resilient_train.rundir import RunDirError, take_run_dir
 from resilient_train.slurmenv import slurm_job
-from resilient_train.spares import SparePool, spare_env
+from resilient_train.spares import SparePool, spare_env, spares_wanted
 from resilient_train.store import Keys, current_generation
 from resilient_train.console import Console, Std
 
@@ -316,7 +316,8 @@ class Agent:
         for rank in self.config.ranks():
             self._spawn(rank, generation, replacement=returning)
         if self.spares is not None:
-            self.spares.resize(self._spares_wanted(waiting=False))  # a spare node's ranks took its spares
+            # A spare node's ranks took its spares.
+            self.spares.resize(spares_wanted(self.config.spares, self.config.nproc_per_node, waiting=False))
         self.lifecycle.to(AgentState.RUNNING)
 
     def _take_node(self, node: int) -> None:
@@ -330,8 +331,7 @@ class Agent:
         self._start_node()
 
     def _watch_node(self, *, waiting: bool) -> None:
-        """The hang and straggler monitor of this node's ranks (none for a spare still ``waiting``), and its
-        saved state."""
+        """This node's hang and straggler monitor (of no rank for a spare still ``waiting``), its state loaded."""
         c = self.config
         monitor = self.hangs.watch(() if waiting else c.ranks(), store=self.store if c.nnodes > 1 and not waiting
                                    else None, node=c.node_rank, nnodes=c.nnodes, node_timeout_s=c.node_timeout_s)
@@ -352,7 +352,7 @@ class Agent:
                            spares=self.spares)
 
     def _spare_pool(self) -> SparePool | None:
-        """The warm spares (resilient_train.spares): each starts with this node's worker environment."""
+        """The warm spares (resilient_train.spares), each with this node's worker environment."""
         c = self.config
         if not c.warm_spare or c.spares == 0 or self.entry.python_argv is None:
             return None
@@ -362,22 +362,14 @@ class Agent:
             return spare_env(self._env(c.first_rank + local, 0, False, None))
 
         return SparePool(self.entry, c.script_args, env_for=env_for, emit=self.events.emit,
-                         size=self._spares_wanted(waiting=c.spare))
-
-    def _spares_wanted(self, *, waiting: bool) -> int:
-        """``--spares`` (default 1: one lost rank); a spare node still waiting: one per local rank it may take over."""
-        c = self.config
-        if waiting:
-            return max(c.nproc_per_node, c.spares or 0)
-        return 1 if c.spares is None else c.spares
+                         size=spares_wanted(c.spares, c.nproc_per_node, waiting=c.spare))
 
     # -------------------------------------------------------------- words
     def _say(self, line: str) -> None:
         self.console.write(f"resilient-train: {line}\n".encode())
 
     def _console_closed(self, std: Std) -> None:
-        """A reader of the console went (``... | head``): not the job's fault. The ranks go on, and what they
-        would have shown goes to their log files (resilient_train.workerio); said once, where it can be."""
+        """A console reader went (``| head``): the ranks go on, their output to their log files (workerio)."""
         name = "stdout" if std is Std.OUT else "stderr"
         where = str(self.workers.log_dir / "attempt_N" / "LOCAL_RANK" / f"{name}.log")
         self.events.emit("console_closed", stream=name, output=where)
