@@ -27,12 +27,18 @@ buckets itself, with no hook (:meth:`GradientReducer.can_go_native`), and the
 vote goes out at the commit. At a world of one nothing is reduced or copied,
 unless ``force`` asks for the collectives of a larger world anyway (benchmarks
 measure that path on one GPU).
+
+**Logical ranks** (an elastic job, :mod:`resilient_train.elastic`): a process
+computing several logical ranks runs one micro-step per logical rank; in each
+but the last the reducer only keeps the bucket's contribution (``micro`` names
+the logical rank: :meth:`stash`), and in the last each bucket is averaged with
+:func:`~resilient_train.elastic.ordered.launch_ordered` over every logical
+rank's contribution, in logical order: the same bits on any number of
+processes (``hooks.layout()``; None: the plain all-reduce).
 """
 
 from __future__ import annotations
 
-import collections
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -40,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from resilient_train.buckets import DEFAULT_BUCKET_MB, BucketPlan
+from resilient_train.chain import ReductionChain, settle
+from resilient_train.elastic.ordered import OrderedSum
 
 __all__ = ["BucketPlan", "DEFAULT_BUCKET_MB", "GradientReducer", "ReducerHooks"]
 
@@ -60,6 +68,7 @@ class ReducerHooks:
     stop: Callable[[], float] = lambda: 0.0  # 1.0: this rank asks every rank to stop after this step
     group: Callable[[], dist.ProcessGroup | None] = lambda: None
     before_chunk: Callable[[list[torch.Tensor], bool], None] | None = None
+    layout: Callable[[], OrderedSum | None] = lambda: None  # the generation's logical layout (None: all-reduce)
 
 
 class GradientReducer:
@@ -74,7 +83,10 @@ class GradientReducer:
         self.native = False  # the registered DDP reduces its buckets itself (NCCL): no hook, the gate's vote
         self._checked: dict[int, bool] = {}
         self.copied_buckets = 0  # DDP buckets that took the copy path, all steps together
-        self._lock = threading.Lock()  # the gloo chain's state, shared with gloo's thread
+        self.chain = ReductionChain(self.abort)  # gloo: one collective at a time (resilient_train.chain)
+        self.micro: int | None = None  # the logical rank whose contribution is kept, in a micro-step but the last
+        self._stash: dict[int, list[torch.Tensor]] = {}  # logical rank -> its contribution, bucket by bucket
+        self._stashed: set[int] = set()  # the logical ranks kept this step
         self.reset()
 
     # ------------------------------------------------------------ per step
@@ -85,19 +97,14 @@ class GradientReducer:
         self._arrived = [0] * n
         self._next = 0  # buckets go out in plan order: the same sequence of collectives on every rank
         self._done: list[torch.futures.Future] | None = None  # one per bucket, then the vote's
-        with self._lock:
-            # gloo's chain of reductions (see _all_reduce); a new epoch each step, so a late callback of an
-            # abandoned step never launches anything of the next one
-            self._epoch = getattr(self, "_epoch", 0) + 1
-            self._queue: collections.deque = collections.deque()
-            self._busy = False
-            self._stopped = False
+        self.chain.new_epoch()
         self._sums: list[float] | None = None
         self._world, self._nccl = 1, False  # the group's, read when the step's first bucket goes out
         self.reduced = False  # the vote went out this step
         self._solo_vote: float | None = None  # a world of one: the vote never leaves the host
         self._solo_stop = 0.0
         self._solo_seen = 0
+        self._stashed = set()
 
     def forget(self) -> None:
         """After a failure: forgets the step and the buffers, which a collective left running may still write."""
@@ -113,11 +120,9 @@ class GradientReducer:
         group's timeout. Failing the buckets' futures releases it at once (the
         collective itself ends in gloo's thread when its peers' connections go).
         """
-        with self._lock:
-            self._stopped = True
-            self._queue.clear()
+        self.chain.stop_all()
         for fut in self._done or []:
-            _settle(fut, error=error)
+            settle(fut, error=error)
 
     def vote_sum(self) -> float:
         """Every rank's vote added up; waits for the reduction (on a GPU, for its kernels)."""
@@ -139,7 +144,20 @@ class GradientReducer:
         return self._sums[1]
 
     def _solo(self) -> bool:
-        return not self.force and (not dist.is_initialized() or dist.get_world_size(self.hooks.group()) == 1)
+        layout = self.hooks.layout()
+        return not self.force and (layout is None or layout.width == 1) and (
+            not dist.is_initialized() or dist.get_world_size(self.hooks.group()) == 1)
+
+    def stash(self, b: int, contribution: torch.Tensor) -> None:
+        """Keeps bucket ``b``'s contribution of the logical rank of this micro-step (``micro``), for the last."""
+        assert self.micro is not None
+        P = self.plan
+        keep = self._stash.get(self.micro)
+        if keep is None or keep[b].device != contribution.device:
+            keep = self._stash[self.micro] = [torch.empty(P.numel[i], dtype=P.order[P.buckets[i][0]].dtype,
+                                                          device=contribution.device) for i in range(len(P))]
+        keep[b].copy_(contribution.view(-1))
+        self._stashed.add(self.micro)
 
     def _cast_solo(self, grads: list[torch.Tensor]) -> None:
         """A world of one: nothing to reduce or copy; the hooks still see the gradients, the vote is cast."""
@@ -156,6 +174,10 @@ class GradientReducer:
         for p in P.order:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.micro is not None:  # a micro-step but the last: its contribution is kept, nothing goes out
+            for b in range(len(P)):
+                self.stash(b, torch.cat([p.grad.reshape(-1) for p in P.params(b)]))  # type: ignore[union-attr]
+            return
         if self._solo():
             self._cast_solo([p.grad for p in P.order])  # type: ignore[misc]
             return
@@ -210,12 +232,17 @@ class GradientReducer:
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         P = self.plan
         buffer = bucket.buffer()
+        if self.micro is not None:  # a micro-step but the last: keep the contribution, hand DDP its own back
+            self._stash_bucket(bucket)
+            done = torch.futures.Future()
+            settle(done, result=buffer)
+            return done
         if self._solo():
             self._solo_seen += len(bucket.parameters())
             if self._solo_seen == len(P.order):  # the last bucket of the step
                 self._cast_solo(list(bucket.gradients()))
             done: torch.futures.Future = torch.futures.Future()
-            _settle(done, result=buffer)
+            settle(done, result=buffer)
             return done
         if self._is_planned(bucket):
             b = bucket.index()
@@ -245,6 +272,19 @@ class GradientReducer:
             return buffer
 
         return torch.futures.collect_all(waits).then(copy_back)
+
+    def _stash_bucket(self, bucket: dist.GradBucket) -> None:
+        """A DDP bucket of a micro-step: its gradients, into the plan's buckets they belong to."""
+        if self._is_planned(bucket):
+            self.stash(bucket.index(), bucket.buffer())
+            return
+        P = self.plan
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            b, offset = P.where[id(p)]
+            if self.micro not in self._stash or b >= len(self._stash[self.micro]):
+                self.stash(b, torch.zeros(P.numel[b], dtype=g.dtype, device=g.device))  # allocates, then filled
+            self._stash[self.micro][b][offset:offset + g.numel()].copy_(g.view(-1))  # type: ignore[index]
+            self._stashed.add(self.micro)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------- plumbing
     def _begin(self, device: torch.device, *, flat: bool) -> list[torch.Tensor]:
@@ -278,7 +318,7 @@ class GradientReducer:
             try:
                 if self.hooks.before_chunk is not None:
                     self.hooks.before_chunk(P.views(target, b), b == last)
-                self._all_reduce(target, self._done[b], average=True)
+                self._all_reduce(target, self._done[b], average=True, bucket=b)
                 if b == last:
                     self._cast_vote()
             except BaseException as e:
@@ -296,78 +336,35 @@ class GradientReducer:
         self.reduced = True
         self._all_reduce(self._votes, self._done[-1], average=False)
 
-    def _all_reduce(self, tensor: torch.Tensor, done: torch.futures.Future, *, average: bool) -> None:
-        """Sums ``tensor`` across the group (averaged if ``average``); ``done`` gets it, or the error."""
+    def _all_reduce(self, tensor: torch.Tensor, done: torch.futures.Future, *, average: bool,
+                    bucket: int | None = None) -> None:
+        """Sums ``tensor`` across the group (averaged if ``average``); ``done`` gets it, or the error. A
+        bucket of a job with a logical layout is averaged over the logical ranks, in their order, instead.
+        On gloo every reduction goes through the chain, one at a time (resilient_train.chain)."""
         group, world = self.hooks.group(), self._world
+        layout = self.hooks.layout() if bucket is not None else None
+        if layout is not None:
+            assert bucket is not None
+            contributions = {x: self._stash[x][bucket] for x in self._stashed}
+            contributions[next(x for x in layout.mine if x not in self._stashed)] = tensor
+            self.chain.ordered(tensor, done, layout=layout, contributions=contributions, group=group)
+            return
         if self._nccl:
             if average:
                 tensor.mul_(1.0 / world)  # as DDP's own reduction does: the same bits with or without the hook
             work = dist.all_reduce(tensor, group=group, async_op=True)
-            work.get_future().then(lambda f: self._finished(f, tensor, done, divide=False, epoch=None))
+            work.get_future().then(lambda f: _complete(f, tensor, done))
             return
-        # gloo: one reduction in flight at a time, each launched when the one before it ended (from gloo's
-        # thread), so no thread of this rank ever waits on a gloo collective itself: a failed one cannot be
-        # aborted, but the futures that wait for it can (abort()). With several in flight, two ranks could
-        # each wait in one for the other until the group's timeout; a group whose worker threads still run
-        # one cannot be torn down.
-        with self._lock:
-            self._queue.append((tensor, done, average and world > 1, group))
-            if self._busy:
-                return
-            self._busy = True
-        self._launch_next(self._epoch)
-
-    def _launch_next(self, epoch: int) -> None:
-        with self._lock:
-            if epoch != self._epoch:
-                return  # a step abandoned: its chain ends here
-            if self._stopped or not self._queue:
-                self._busy = False
-                return
-            tensor, done, divide, group = self._queue.popleft()
-        try:
-            work = dist.all_reduce(tensor, group=group, async_op=True)  # a sum: divided after
-        except Exception as e:  # noqa: BLE001  (handed to whoever waits on the bucket)
-            self.abort(e)
-            return
-        work.get_future().then(lambda f: self._finished(f, tensor, done, divide=divide, epoch=epoch))
-
-    def _finished(self, f: torch.futures.Future, tensor: torch.Tensor, done: torch.futures.Future, *,
-                  divide: bool, epoch: int | None) -> None:
-        try:
-            f.value()  # raises the reduction's error, if any
-        except Exception as e:  # noqa: BLE001  (handed to whoever waits on the bucket, and on the ones after it)
-            _settle(done, error=e)
-            if epoch is not None:
-                self._stop(epoch, e)
-            return
-        if divide:
-            tensor.div_(self._world)
-        _settle(done, result=tensor)
-        if epoch is not None:
-            self._launch_next(epoch)
-
-    def _stop(self, epoch: int, error: Exception) -> None:
-        """A reduction failed: nothing else of this step goes out, and whoever waits for it is told why."""
-        with self._lock:
-            if epoch != self._epoch:
-                return
-            self._stopped = True
-            self._queue.clear()
-        self.abort(error)
+        self.chain.sum(tensor, done, divide_by=world if average else 1, group=group)
 
 
-def _settle(fut: torch.futures.Future, *, result: Any = None, error: Exception | None = None) -> None:
-    """Completes ``fut`` unless it is already: an abort and a collective's end may race."""
-    if fut.done():
-        return
+def _complete(f: torch.futures.Future, tensor: torch.Tensor, done: torch.futures.Future) -> None:
     try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-    except RuntimeError:  # completed meanwhile by the other side of the race
-        pass
+        f.value()
+    except Exception as e:  # noqa: BLE001  (handed to whoever waits on the bucket)
+        settle(done, error=e)
+        return
+    settle(done, result=tensor)
 
 
 def _ddp_hook(reducer: GradientReducer, bucket: dist.GradBucket) -> torch.futures.Future:
