@@ -141,9 +141,16 @@ class CheckpointManager:
 
     # ---- public API -------------------------------------------------------------------
 
-    def set_store(self, store: dist.Store, *, cancelled: Cancelled | None = None) -> None:
+    def set_store(self, store: dist.Store, *, cancelled: Cancelled | None = None, rank: int | None = None,
+                  world_size: int | None = None) -> None:
         """Coordinates later saves through ``store`` (e.g. the next generation's prefix store), cancelled
-        by ``cancelled`` (that generation's "declared failed"). A save in flight keeps its own."""
+        by ``cancelled`` (that generation's "declared failed"). A save in flight keeps its own. ``rank`` and
+        ``world_size``: the writers of later saves changed (an elastic job's generation)."""
+        if rank is not None and world_size is not None:
+            self.rank, self.world_size = rank, world_size
+            self._coord = StoreCoordinator(store, rank=rank, world_size=world_size, prefix=self.config.store_prefix,
+                                           cancelled=cancelled)
+            return
         self._coord = self._coord.rebound(store, cancelled)
 
     @property
@@ -322,9 +329,10 @@ class CheckpointManager:
 
     def load(
         self, template: dict[str, Any] | None = None, *, step: int | None = None,
-        into: Callable[[Manifest], dict[str, Any] | None] | None = None,
+        into: Callable[[Manifest], dict[str, Any] | None] | None = None, every_rank: bool = False,
     ) -> tuple[dict[str, Any], Manifest]:
-        """The newest (or the given) committed step that verifies, as this rank saved it.
+        """The newest (or the given) committed step that verifies, as this rank saved it (``every_rank``: with
+        every rank's own entries, under ``RANKS_KEY``, instead of this rank's).
 
         With ``template``, its tensors are filled in place (shapes and dtypes must
         match) and its structure returned; otherwise fresh CPU tensors.
@@ -343,7 +351,7 @@ class CheckpointManager:
                     raise CheckpointError(entry.path, MANIFEST_FILE, f"manifest says step {manifest.step}")
                 targets = into(manifest) if into is not None else None
                 flat = flatten_state(targets, dtensors=True)[0] if targets else None
-                state = read_verified(entry.path, manifest, rank=self.rank, into=flat)
+                state = read_verified(entry.path, manifest, rank=None if every_rank else self.rank, into=flat)
             except CheckpointError as e:
                 self._invalid(entry.step, e)
                 continue

@@ -26,6 +26,7 @@ from resilient_train.buddy import BuddyCopies
 from resilient_train.config import SupervisorConfig
 from resilient_train.disk import DiskCheckpoints, default_checkpoint_config
 from resilient_train.errors import UsageError
+from resilient_train.local_state import LocalSlots
 from resilient_train.mesh import MeshSpec
 from resilient_train.parts import ChaosPart, CuptiPart, DiskPart, Part, Parts, ProgressPart, SnapshotPart
 from resilient_train.rerun.driver import RerunHooks
@@ -44,22 +45,34 @@ class Assembled:
     snapshot: SnapshotPart | None
     rerun: RerunPart | None
     buddy: BuddyCopies | None
+    stepper: Stepper
 
 
 def build_parts(config: SupervisorConfig, state: TrainState, *, added: list[Part], rank: int, world_size: int,
                 store: dist.Store, run_dir: Path | None, events: EventLog, device: torch.device,
-                comm_device: torch.device, mesh_spec: MeshSpec | None, sharded: bool,
-                stepper: Callable[[], Stepper], step: Callable[[], int], generation: Callable[[], int],
-                progress_generation: Callable[[], int]) -> Assembled:
-    """``step``: the step the rank computes (its context's); ``generation``: the one it is in;
-    ``progress_generation``: the one it is in, or heading to once it left one."""
+                comm_device: torch.device, mesh_spec: MeshSpec | None, sharded: bool, slots: LocalSlots,
+                generation: Callable[[], int], progress_generation: Callable[[], int],
+                group: Callable[[], dist.ProcessGroup | None], stop: Callable[[], float], moved: Callable[[], bool],
+                training: Callable[[], bool], elastic: bool = False) -> Assembled:
+    """The parts and the Stepper that runs each step with them. ``generation``: the generation the rank is in;
+    ``progress_generation``: the one it is in, or heading to once it left one; ``group``, ``stop``,
+    ``moved``, ``training``: the Stepper's view of the supervisor (resilient_train.stepping)."""
     c = config
+    made: list[Stepper] = []  # the Stepper, made last: the parts reach it through ``stepper()``
+
+    def stepper() -> Stepper:
+        return made[0]
+
+    def step() -> int:
+        return made[0].ctx.step
+
     parts: list[Part] = list(added)
 
     def disk_for(checkpoint: CheckpointConfig) -> DiskCheckpoints:
         return disk_checkpoints(checkpoint, rank=rank, world_size=world_size, store=store, events=events,
                                 run_dir=run_dir, mesh_spec=mesh_spec, sharded=sharded,
-                                suspended=lambda: stepper().gate.suspended())
+                                suspended=lambda: stepper().gate.suspended(),
+                                width=(lambda: stepper().width) if elastic else None)
 
     chaos = ChaosPart(loads_faults(os.environ.get(envvars.RT_CHAOS, "")), rank=rank, store=store,
                       run_dir=run_dir, events=events, step=step)
@@ -106,18 +119,29 @@ def build_parts(config: SupervisorConfig, state: TrainState, *, added: list[Part
                                 publish_local=lambda at: stepper().publish_local(at, snapshot=True),
                                 device=comm_device, events=events, corrupt_at=_corrupt_at())
             parts.append(buddy)
-    return Assembled(parts=Parts(parts), disk=disk, snapshot=snapshot, rerun=rerun, buddy=buddy)
+    all_parts = Parts(parts)
+    made.append(Stepper(state=state, rank=rank, parts=all_parts, rerun=rerun, slots=slots, events=events,
+                        world_size=world_size, device=device, chunk_mb=c.chunk_mb, generation=generation,
+                        group=group, stop=stop, force_reduction=c.force_reduction, moved=moved, training=training))
+    return Assembled(parts=all_parts, disk=disk, snapshot=snapshot, rerun=rerun, buddy=buddy, stepper=made[0])
 
 
 def disk_checkpoints(config: CheckpointConfig, *, rank: int, world_size: int, store: dist.Store, events: EventLog,
                      run_dir: Path | None, mesh_spec: MeshSpec | None, sharded: bool,
-                     suspended: Callable[[], Any]) -> DiskCheckpoints:
+                     suspended: Callable[[], Any], width: Callable[[], Any] | None = None) -> DiskCheckpoints:
     """Sharded state goes to disk in DCP's form, each rank its own chunks: the first member of each replica
     class writes the class's (resilient_train.dcp_state)."""
     return DiskCheckpoints(config, rank=rank, world_size=world_size, store=store, events=events, run_dir=run_dir,
                            sharded=sharded,
                            first_replica=mesh_spec.first_replica(rank, world_size) if mesh_spec is not None else True,
-                           suspended=suspended)
+                           suspended=suspended, width=width)
+
+
+def make_reproducible() -> None:
+    """``SupervisorConfig(reproducible=True)``: deterministic algorithms and one intra-op thread."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def preemption_disk(run_dir: Path | None, **kw: Any) -> DiskCheckpoints:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from resilient_train.errors import GenerationFailed
 from resilient_train.reducer import GradientReducer
 
-__all__ = ["BufferGuard", "CommitGate", "StepMeasured", "StepRejected"]
+__all__ = ["BufferGuard", "CommitGate", "MicroStepDone", "StepMeasured", "StepRejected"]
 
 
 class _Flow(BaseException):
@@ -42,6 +42,11 @@ class StepRejected(_Flow):
 
 class StepMeasured(_Flow):
     """A computation run only to measure its result (a re-run) reached the gate."""
+
+
+class MicroStepDone(_Flow):
+    """A logical rank's micro-step, not the step's last, reached the gate: its gradients are kept for the
+    reduction the last one runs (resilient_train.elastic), and nothing is applied."""
 
 
 class CommitGate:
@@ -73,6 +78,10 @@ class CommitGate:
         self.stop_agreed = False  # some rank asked every rank to stop after this step (it rode with the vote)
         self._fallback_used = False
         self._suspended = False
+        # A micro-step of a logical rank but the step's last: at the gate its local state is published
+        # (``micro_done``) and it ends (MicroStepDone). None: the step's commit.
+        self.micro: int | None = None
+        self.micro_done: Callable[[int], None] = lambda logical: None
 
     def begin_step(self) -> None:
         self.committed = False
@@ -82,6 +91,8 @@ class CommitGate:
     def pre_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         if self._suspended:
             return
+        if self.micro is not None:
+            self.commit()  # raises MicroStepDone: this micro-step ends before the optimizer
         if not any(r.reduced for r in self.reducers):
             self.commit()  # no reduction carried the vote (FSDP, TP): it goes out now, before the optimizer phase
         self._on_optimizer()
@@ -98,6 +109,11 @@ class CommitGate:
 
     def commit(self) -> None:
         """Returns when the step may be applied; raises otherwise. Idempotent within a step."""
+        if self.micro is not None:
+            if self._moved():
+                raise GenerationFailed("the generation was declared failed while the step ran")
+            self.micro_done(self.micro)
+            raise MicroStepDone()
         if self.committed:
             return
         reduced = [r for r in self.reducers if r.reduced]

@@ -41,6 +41,9 @@ class SupervisorConfig:
     # None: k chosen from the job's first steps, so that the copies cost at most 2% (resilient_train.buddy)
     buddy_every: int | None = None
     chunk_mb: float = DEFAULT_BUCKET_MB  # the gradient reduction's bucket size (DDP's bucket_cap_mb; fixed for the run)
+    # The gradients averaged in logical-rank order (all-to-all, ordered sum, all-gather: the same bits on any
+    # number of processes, resilient_train.elastic); None: for elastic jobs (--nnodes MIN:MAX) only
+    ordered_reduction: bool | None = None
     # The collectives of world > 1 at a world of one too (the reduction, the vote): to measure that path on one GPU
     force_reduction: bool = field(default_factory=lambda: os.environ.get(envvars.RT_FORCE_REDUCTION) == "1",
                                   metadata={"default": "false (RT_FORCE_REDUCTION=1: true)"})

@@ -16,24 +16,28 @@ import contextlib
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from checkpointing import CheckpointConfig, CheckpointManager, NoCheckpointError
 from checkpointing.lifecycle import SaveHandle, SavePhase
 from checkpointing.manifest import Manifest
+from checkpointing.state_files import RANKS_KEY
 from monitors import EventLog
 from monitors.persist import CHECKPOINT_EXTRAS_KEY, offer_from_checkpoint, read_monitor_state
 from resilient_train.dcp_state import DCP_FORM, FORM_KEY, Suspend, dcp_state_dict, dcp_targets, load_dcp_state, saveable
 from resilient_train.errors import UsageError, WrongInput
+from resilient_train.elastic.width import Width
 from resilient_train.fence import check_fence
+from resilient_train.local_state import LocalSlots
 from resilient_train.store import Keys, wait_until
 from resilient_train.train_state import TrainState
 
 __all__ = ["DiskCheckpoints", "default_checkpoint_config"]
 
 LOCAL_KEY = "local"
+LOGICAL_KEY = "logical"  # an elastic job's checkpoint: {logical rank: its local state}, written once
 DEFAULT_TIMEOUT_S = 120.0  # of a save's write and of its commit (CheckpointConfig.timeout_s)
 
 
@@ -51,11 +55,13 @@ class DiskCheckpoints:
     def __init__(
         self, config: CheckpointConfig, *, rank: int, world_size: int, store: dist.Store, events: EventLog,
         run_dir: Path | None = None, sharded: bool = False, first_replica: bool = True,
-        suspended: Suspend = contextlib.nullcontext,
+        suspended: Suspend = contextlib.nullcontext, width: Callable[[], Width] | None = None,
     ) -> None:
         """``sharded``: the state is written in DCP's form (``sup.sharded``); ``first_replica=False``: another
         rank holds this rank's shards and writes them; ``suspended()``: the commit gate kept out of an
-        optimizer step that DCP makes to create an empty optimizer's state."""
+        optimizer step that DCP makes to create an empty optimizer's state. ``width()``: an elastic job's
+        layout in this generation (resilient_train.elastic): its writers are the generation's processes, and
+        every logical rank's local state is saved once, under :data:`LOGICAL_KEY`."""
         if LOCAL_KEY not in config.local_keys:
             # The supervisor's own per-rank entry (RNG, data position): not the user's to list. A run config's
             # checkpoint section (--checkpoint.interval=N) does not, and every rank died of it.
@@ -70,6 +76,8 @@ class DiskCheckpoints:
         self._prepared = False
         self._close_by: float | None = None  # after a preemption's save: close() waits no later (monotonic)
         self._store: dist.Store | None = None  # the generation's store, for the fence check
+        self._width = width
+        self._slots = LocalSlots(store)  # every logical rank's published local state (an elastic job's save)
         # Re-pointed at each generation's keys by on_generation.
         self._manager = CheckpointManager(
             config, rank=rank, world_size=world_size, store=dist.PrefixStore("rt/ckpt-unused", store), events=events,
@@ -80,8 +88,12 @@ class DiskCheckpoints:
         # Saves of a failed generation never mix their reports with the next one's.
         # A save that loses a rank fails at once for the others: the generation was declared failed.
         self._store = store
+        layout = {}
+        if self._width is not None:
+            w = self._width()
+            layout = {"rank": w.group_rank(self.rank), "world_size": w.size}
         self._manager.set_store(dist.PrefixStore(Keys.gen_scope(generation, "ckpt"), store),
-                                cancelled=lambda: store.check([Keys.fault(generation)]))
+                                cancelled=lambda: store.check([Keys.fault(generation)]), **layout)
 
     def prepare(self, state: TrainState) -> None:
         """Starts the writer process and sizes the staging buffers now, not at the first save."""
@@ -134,11 +146,13 @@ class DiskCheckpoints:
             return False
 
     def load_agreed(self, state: TrainState, store: dist.Store, generation: int, *, timeout: float,
-                    steps: int | None = None) -> int | None:
+                    steps: int | None = None) -> tuple[int | None, dict[int, dict[str, Any]] | None]:
         """Every rank loads the same step: rank 0 picks the newest committed one.
 
-        Returns the step loaded, or None when there is no checkpoint at all. A checkpoint past ``steps``, the
-        run's last step, is the user's input contradicting itself (``--steps 20`` in a run directory that
+        Returns the step loaded (None when there is no checkpoint at all) and, for an elastic job, every
+        logical rank's local state the checkpoint holds (by logical rank: a fixed-width job's checkpoint
+        holds rank r's as logical rank r's; the caller loads those it computes). A checkpoint past ``steps``,
+        the run's last step, is the user's input contradicting itself (``--steps 20`` in a run directory that
         holds step 30): every rank raises the same :class:`WrongInput` before loading anything (exit code 2).
         """
         key = Keys.gen_scope(generation, "disk_step")
@@ -149,13 +163,14 @@ class DiskCheckpoints:
             wait_until(lambda: store.check([key]), timeout=timeout, what="the step to load from disk")
         chosen = store.get(key).decode()
         if not chosen:
-            return None
+            return None, None
         if steps is not None and int(chosen) > steps:
             raise WrongInput(f"steps={steps} is below step {chosen} of the checkpoint it would resume from "
                              f"({self.config.directory}): train to step {chosen} or more, or start in another run "
                              "directory")
         try:
-            loaded, manifest = self._manager.load(step=int(chosen), into=lambda m: self._targets(state, m))
+            loaded, manifest = self._manager.load(step=int(chosen), into=lambda m: self._targets(state, m),
+                                                  every_rank=self._width is not None)
         except NoCheckpointError:
             raise RuntimeError(f"checkpoint step {chosen} chosen by rank 0 does not verify on rank {self.rank}") from None
         monitors = manifest.extras.get(CHECKPOINT_EXTRAS_KEY)
@@ -168,13 +183,18 @@ class DiskCheckpoints:
             load_dcp_state(state, loaded, self._suspended)
         else:
             state.load_replicated(loaded)
-        if LOCAL_KEY in loaded:
-            state.load_local(loaded[LOCAL_KEY])
+        logical: dict[int, dict[str, Any]] = {int(x): sd for x, sd in loaded.get(LOGICAL_KEY, {}).items()}
+        for r, entries in loaded.get(RANKS_KEY, {}).items():
+            if LOCAL_KEY in entries:
+                logical.setdefault(int(r), entries[LOCAL_KEY])
+        mine = loaded[LOCAL_KEY] if LOCAL_KEY in loaded else logical.get(self.rank)
+        if mine is not None:
+            state.load_local(mine)
         else:
             # Saved on fewer ranks: this rank had no predecessor. The step is
             # the data position; its RNG streams stay as the script seeded them.
             state.step = int(chosen)
-        return state.step
+        return int(chosen), logical if self._width is not None else None
 
     def close(self) -> None:
         by = self._close_by
@@ -192,4 +212,11 @@ class DiskCheckpoints:
 
     def _state_dict(self, state: TrainState) -> dict:
         replicated = dcp_state_dict(state, self._suspended) if self.sharded else state.replicated_state_dict()
-        return {**replicated, LOCAL_KEY: state.local_state_dict()}
+        if self._width is None:
+            return {**replicated, LOCAL_KEY: state.local_state_dict()}
+        # An elastic job: every logical rank's local state, as each published it for this boundary, written
+        # once by the generation's first process (plain tensors are written by rank 0 only).
+        w = self._width()
+        if w.group_rank(self.rank) != 0:
+            return replicated
+        return {**replicated, LOGICAL_KEY: {str(x): self._slots.read_decoded(x, state.step) for x in range(w.width)}}

@@ -15,6 +15,7 @@ from monitors.configtree import RT_RUN_CONFIG  # the run config file the agent w
 __all__ = [
     "RT_AGENT",
     "RT_CHAOS",
+    "RT_ELASTIC",
     "RT_GENERATION",
     "RT_JOB_TOKEN",
     "RT_NODE",
@@ -52,6 +53,7 @@ RT_JOB_TOKEN = "RT_JOB_TOKEN"  # the job's secret: its keys in the store live un
 RT_TEST_CORRUPT_BUDDY = "RT_TEST_CORRUPT_BUDDY"  # tests: "RANK@STEP" flips a bit of the buddy copy RANK receives at STEP
 RT_REPRODUCIBLE = "RT_REPRODUCIBLE"  # "1": SupervisorConfig(reproducible=True) by default (the chaos runner sets it)
 RT_FORCE_REDUCTION = "RT_FORCE_REDUCTION"  # "1": SupervisorConfig(force_reduction=True) by default (benchmarks)
+RT_ELASTIC = "RT_ELASTIC"  # "1": an elastic job (--nnodes MIN:MAX): WORLD_SIZE logical ranks on the live processes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +69,7 @@ class WorkerEnv:
     run_dir: str | None
     generation: int
     replacement: bool
+    elastic: bool = False  # --nnodes MIN:MAX: a generation's members are the live slots (resilient_train.elastic)
 
     @property
     def distributed(self) -> bool:
@@ -85,6 +88,7 @@ class WorkerEnv:
             run_dir=env.get(RT_RUN_DIR) or None,
             generation=int(env.get(RT_GENERATION, "0")),
             replacement=env.get(RT_ROLE) == "replacement",
+            elastic=env.get(RT_ELASTIC) == "1",
         )
 
 

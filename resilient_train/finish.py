@@ -72,9 +72,12 @@ def finish_run(
 
 def finish_job(store: dist.Store, state: TrainState, *, generation: int, rank: int, world_size: int,
                moved: threading.Event, timeout: float, steps: int, run_dir: Path | None, events: EventLog,
-               sharded: torch.nn.Module | None, suspended: Callable[[], AbstractContextManager[Any]]) -> None:
+               sharded: torch.nn.Module | None, suspended: Callable[[], AbstractContextManager[Any]],
+               logical_ranks: int | None = None) -> None:
     """:func:`finish_run` with the final state written to ``run_dir`` (None: not written); ``sharded``:
-    sup.sharded's module, gathered first on every rank (:func:`sharded_state`)."""
+    sup.sharded's module, gathered first on every rank (:func:`sharded_state`). ``world_size``: the
+    generation's processes; ``logical_ranks``: whose local states the final state holds (every logical rank
+    of an elastic job; by default one per process)."""
     gathered: list[dict[str, Any]] = []  # rank 0's sharded state, between the gather and the write
 
     def gather() -> None:
@@ -87,7 +90,7 @@ def finish_job(store: dist.Store, state: TrainState, *, generation: int, rank: i
 
     def write() -> None:
         assert run_dir is not None
-        write_final_state(store, state, run_dir, steps=steps, world_size=world_size, events=events,
+        write_final_state(store, state, run_dir, steps=steps, world_size=logical_ranks or world_size, events=events,
                           gathered=gathered.pop() if sharded is not None else None)
 
     finish_run(store, generation=generation, rank=rank, world_size=world_size, moved=moved, timeout=timeout,

@@ -32,7 +32,10 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
+from resilient_train.elastic.members import members_of
+from resilient_train.elastic.width import Width, assign
 from resilient_train.errors import GenerationFailed
+from resilient_train.local_state import LocalSlots
 from resilient_train.store import Keys, StoreTimeout, current_generation, read_fault, settle, wait_until
 
 __all__ = [
@@ -71,6 +74,10 @@ class Membership:
     replica_class: int = 0
     own_steps: list[int] = field(default_factory=list)  # host copies of its own shard (buddy refreshes)
     buddy_steps: dict[str, list[int]] = field(default_factory=dict)  # owner rank -> verified copies it holds
+    # An elastic job (resilient_train.elastic): the logical ranks it computed in its last generation, and the
+    # steps whose local state each of them has published.
+    hosted: list[int] = field(default_factory=list)
+    logical_steps: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(vars(self))  # its fields are plain JSON already (asdict's deep copy is half the join's CPU)
@@ -102,6 +109,9 @@ class ResumePlan:
     # The fault that ended the generation before (its first report), read once by the planner: a rank woken
     # by it joined without reading it.
     cause: dict[str, Any] | None = None
+    # An elastic job: the generation's members and who computes each logical rank (Width.to_json); None: every
+    # rank a member, computing its own.
+    width: dict[str, list[int]] | None = None
 
     @property
     def healed(self) -> list[int]:
@@ -112,7 +122,7 @@ class ResumePlan:
         return json.dumps({"generation": self.generation, "source": self.source.value, "step": self.step,
                            "heal_from": sorted(self.heal_from.items()), "from_snapshot": self.from_snapshot,
                            "buddy_from": sorted(self.buddy_from.items()), "replacements": self.replacements,
-                           "cause": self.cause})
+                           "cause": self.cause, "width": self.width})
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "ResumePlan":
@@ -120,7 +130,7 @@ class ResumePlan:
         return cls(generation=int(d["generation"]), source=ResumeSource(d["source"]), step=d["step"],
                    heal_from={int(t): int(f) for t, f in d["heal_from"]}, from_snapshot=list(d["from_snapshot"]),
                    buddy_from={int(t): int(h) for t, h in d["buddy_from"]}, replacements=list(d["replacements"]),
-                   cause=d.get("cause"))
+                   cause=d.get("cause"), width=d.get("width"))
 
 
 def _replacements(members: dict[int, Membership]) -> list[int]:
@@ -146,11 +156,13 @@ def _covered(members: dict[int, Membership], ranks: list[int], step: int) -> boo
     return all(_buddy_holder(members, r, step) is not None for r in ranks)
 
 
-def plan_resume(generation: int, members: dict[int, Membership]) -> ResumePlan:
+def plan_resume(generation: int, members: dict[int, Membership],
+                logical_steps: dict[int, list[int]] | None = None) -> ResumePlan:
     """The same pure function on every rank: the newest step that can be rebuilt everywhere.
 
     Every replica class (ranks holding the same shards) must be rebuildable at
-    that step, and every rank's local state of it must be in the store. Within
+    that step, and every rank's local state of it must be in the store (an
+    elastic job: every logical rank's, ``logical_steps``). Within
     a class: ranks at the step keep their state, ranks with their own host copy
     of it restore that, the others copy from a live member (spread over them);
     a class with no member at the step is rebuilt from buddy copies.
@@ -161,8 +173,12 @@ def plan_resume(generation: int, members: dict[int, Membership]) -> ResumePlan:
     classes = _classes(members)
     steps = {s for m in members.values() for s in (m.live_step, *m.own()) if s is not None}
     steps |= {s for m in members.values() for held in m.buddy_steps.values() for s in held}
-    candidates = [s for s in steps if all(s in m.local_steps for m in members.values())
-                  and all(_covered(members, ranks, s) for ranks in classes.values())]
+    def local_held(s: int) -> bool:
+        if logical_steps is not None:
+            return all(s in held for held in logical_steps.values())
+        return all(s in m.local_steps for m in members.values())
+
+    candidates = [s for s in steps if local_held(s) and all(_covered(members, ranks, s) for ranks in classes.values())]
     if not candidates:
         return ResumePlan(generation=generation, source=ResumeSource.DISK, step=None,
                           replacements=_replacements(members))
@@ -200,6 +216,7 @@ def join_generation(
     finished: Callable[[], bool] = lambda: False,
     stopped: Callable[[], None] = lambda: None,
     generation: int | None = None,
+    elastic: bool = False,
 ) -> ResumePlan:
     """Joins the current generation; moves to the next one each time it fails.
 
@@ -212,6 +229,10 @@ def join_generation(
     rank); ``stopped()`` raises when the job was stopped. Both are looked at
     when the generation settles as FAILED: whoever finishes or stops the run
     settles the generation being joined so (``interrupt_generation``).
+
+    ``elastic``: the generation's members are those its key names
+    (resilient_train.elastic.members), not every rank, and its plan says who
+    computes each logical rank.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -220,7 +241,7 @@ def join_generation(
         member = me()
         store.set(Keys.member(g, member.rank), member.to_json())  # a set has no reply: nothing to wait for
         if member.rank == PLANNER:
-            _plan(store, g, world_size, deadline)
+            _plan(store, g, world_size, deadline, elastic=elastic)
         settled = _outcome(store, g, deadline)
         if settled is None:
             stopped()
@@ -231,7 +252,10 @@ def join_generation(
         if settled.decode() != Keys.FAILED:
             # Every rank joined: the run cannot have finished without them, and a stop from now on
             # interrupts this generation, which its watcher sees.
-            return ResumePlan.from_json(settled)
+            plan = ResumePlan.from_json(settled)
+            if plan.width is not None and member.rank not in plan.width["members"]:
+                raise JoinError(f"rank {member.rank} is not a member of generation {g} (its node was declared lost)")
+            return plan
         stopped()
         if finished():
             raise RunFinished()
@@ -245,13 +269,15 @@ def join_generation(
 PLANNER = 0  # the rank that plans every generation: it waits for every membership, the others for the plan
 
 
-def _plan(store: dist.Store, g: int, world_size: int, deadline: float) -> None:
+def _plan(store: dist.Store, g: int, world_size: int, deadline: float, *, elastic: bool = False) -> None:
     """Every membership of ``g`` (one wait, one read), the plan, written once (unless ``g`` already failed).
 
     A generation that fails first ends the wait too: :func:`resilient_train.store.fail_join` fills the
-    memberships still missing with FAILED, and the plan is not made.
+    memberships still missing with FAILED, and the plan is not made. ``elastic``: the members are the
+    slots ``g``'s key names, and the plan assigns the logical ranks (resilient_train.elastic).
     """
-    keys = [Keys.member(g, r) for r in range(world_size)]
+    slots = members_of(store, g, world_size) if elastic else list(range(world_size))
+    keys = [Keys.member(g, r) for r in slots]
     try:
         with _until(store, deadline):
             values = store.multi_get(keys)  # the store answers once every key is set
@@ -260,11 +286,31 @@ def _plan(store: dist.Store, g: int, world_size: int, deadline: float) -> None:
     if any(v == _FAILED_BYTES for v in values):
         return  # the generation failed while it assembled: its outcome is FAILED
     with _collector_paused():  # thousands of fresh dicts would start a full collection of the rank's heap
-        members = {r: Membership(**d) for r, d in enumerate(json.loads(b"[" + b",".join(values) + b"]"))}
-        plan = plan_resume(g, members)
+        members = {r: Membership(**d) for r, d in zip(slots, json.loads(b"[" + b",".join(values) + b"]"))}
+        if elastic:
+            plan = _elastic_plan(store, g, world_size, members)
+        else:
+            plan = plan_resume(g, members)
     if g > 0:
         plan = replace(plan, cause=read_fault(store, g - 1))
     settle(store, g, plan.to_json())
+
+
+def _elastic_plan(store: dist.Store, g: int, width: int, members: dict[int, Membership]) -> ResumePlan:
+    """The plan of an elastic generation: every logical rank's local state must be held (a member reports
+    its own logical ranks'; the store is asked of the others, whose host is gone), and the logical ranks are
+    assigned to the members (balanced, stable, home first)."""
+    logical: dict[int, list[int]] = {}
+    for m in members.values():
+        for x, steps in m.logical_steps.items():
+            logical[int(x)] = steps
+    slots = LocalSlots(store)
+    for x in range(width):
+        if x not in logical:
+            logical[x] = slots.steps(x)
+    plan = plan_resume(g, members, logical_steps=logical)
+    hosts = assign(width, sorted(members), {r: m.hosted for r, m in members.items()})
+    return replace(plan, width=Width(tuple(sorted(members)), tuple(hosts)).to_json())
 
 
 _FAILED_BYTES = Keys.FAILED.encode()

@@ -156,8 +156,11 @@ def restore_live(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Ste
     """Boundary ``plan.step`` from live state: this rank's own host copy, a live replica, a buddy's copy.
 
     ``device``: where the transfers go (the communication device); ``adopt_record``: a replacement's rerun
-    machine takes over the newest record, after the local state is loaded.
+    machine takes over the newest record, after the local state is loaded. The plan names ranks by slot;
+    the transfers go to and from their places in the generation's group (``stepper.width``), and the local
+    state loaded is that of the last logical rank this rank computes (its own, in a fixed-width job).
     """
+    width = stepper.width
     step = plan.step
     assert step is not None
     stepper.enter(Phase.HEAL.value, step)
@@ -177,13 +180,13 @@ def restore_live(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Ste
         if source == rank:
             assert not from_buddy or buddy is not None
             payload = buddy.copy_of(target, step).state() if from_buddy else state.shard_state_dict()  # type: ignore[union-attr]
-            sent += send_state(payload, target, device=device)
+            sent += send_state(payload, width.group_rank(target), device=device)
         elif target == rank:
             stepper.live = None  # torn until the whole state arrived
-            healed, received = receive_state(source, device=device)
+            healed, received = receive_state(width.group_rank(source), device=device)
             state.load_shard_state(healed)
             source_of = source
-    state.load_local(slots.read_decoded(rank, step))
+    state.load_local(slots.read_decoded(stepper.hosted[-1], step))
     if adopt_record is not None:
         adopt_record()
     assert state.step == step, (state.step, step)
@@ -201,11 +204,11 @@ def restore_from_disk(plan: ResumePlan, *, state: TrainState, rank: int, stepper
                       timeout: float, steps: int) -> None:
     """The checkpoint every rank agreed to load (``ResumeSource.DISK``), or the start if there is none (one
     past the run's last step, ``steps``, is refused: resilient_train.disk)."""
-    loaded = None
+    loaded, logical = None, None
     if disk is not None:
         stepper.enter("load", state.step)
         stepper.live = None
-        loaded = disk.load_agreed(state, store, plan.generation, timeout=timeout, steps=steps)
+        loaded, logical = disk.load_agreed(state, store, plan.generation, timeout=timeout, steps=steps)
     if loaded is None and plan.source is ResumeSource.DISK:
         raise JoinError("no live replica holds a recoverable step and there is no checkpoint to fall back on")
     if loaded is not None:
@@ -214,5 +217,5 @@ def restore_from_disk(plan: ResumePlan, *, state: TrainState, rank: int, stepper
         events.emit("resumed_from_disk", rank=rank, step=loaded, generation=plan.generation)
         if rank == 0:
             print(f"resilient-train: resumed from the checkpoint of step {loaded}", file=sys.stderr, flush=True)
-    stepper.publish_local(state.step)
+    stepper.publish_start(state.step, logical)
     stepper.restored(state.step)

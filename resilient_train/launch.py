@@ -37,7 +37,8 @@ _SIGNALS = SIGNALS
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """torchrun's flags (both spellings), then resilient-train's own."""
     t = p.add_argument_group("torchrun's flags (same meaning as under torchrun)")
-    t.add_argument("--nnodes", default=None, help="nodes: N (MIN:MAX only with MIN == MAX); under srun: SLURM_NNODES")
+    t.add_argument("--nnodes", default=None, help="nodes: N, or MIN:MAX for an elastic job (it runs on MIN to MAX "
+                   "nodes, its data-parallel width fixed at MAX nodes' ranks); under srun: SLURM_NNODES")
     t.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
                    help="workers on this node: N, auto, cpu or gpu (default 1)")
     t.add_argument("--rdzv-backend", "--rdzv_backend", default="static", help="static or c10d (one node: the agent's store)")
@@ -135,17 +136,18 @@ def _field_value(key: str) -> Callable[[str], Any]:
     return convert
 
 
-def _nnodes(value: str) -> int:
+def _nnodes(value: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (torchrun's syntax): (MIN, MAX)."""
     lo, _, hi = value.partition(":")
     try:
         n_min, n_max = int(lo), int(hi or lo)
     except ValueError:
         raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX") from None
-    if n_min != n_max:
-        raise ValueError(f"--nnodes {value}: elastic node counts are not supported (give one number)")
     if n_min < 1:
         raise ValueError(f"--nnodes {value}: at least one node")
-    return n_min
+    if n_min > n_max:
+        raise ValueError(f"--nnodes {value}: MIN is more than MAX")
+    return n_min, n_max
 
 
 def _nproc(value: str) -> int:
@@ -256,6 +258,10 @@ def agent_fields(args: argparse.Namespace, given: set[str], base: dict[str, Any]
                              ("master_port", "master_port", int), ("rdzv_id", "run_id", str)):
         if dest in given:
             out[name] = read(getattr(args, dest))
+            if dest == "nnodes":
+                out["min_nodes"], out["nnodes"] = out["nnodes"]
+                if out["min_nodes"] == out["nnodes"]:
+                    del out["min_nodes"]
         elif name not in base and name in slurm:
             out[name] = slurm[name] if name != "nnodes" else int(slurm[name])  # type: ignore[call-overload]
     if "master_port" in out:
@@ -273,7 +279,10 @@ def agent_fields(args: argparse.Namespace, given: set[str], base: dict[str, Any]
     if "master_addr" in out:
         check_host(out["master_addr"], "--rdzv-endpoint" if args.rdzv_endpoint and not args.standalone
                    else "--master-addr")
-    _rdzv_conf(args.rdzv_conf)
+    conf = _rdzv_conf(args.rdzv_conf)
+    for key, name in (("last_call_timeout", "last_call_s"), ("join_timeout", "join_timeout_s")):
+        if key in conf:  # an elastic job's start (resilient_train.agent.width); the others are accepted only
+            out[name] = float(conf[key])
     nproc = out.get("nproc_per_node", base.get("nproc_per_node", 1))
     nproc = nproc if isinstance(nproc, int) and not isinstance(nproc, bool) else 1
     output: dict[str, Any] = {}

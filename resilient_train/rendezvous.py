@@ -52,7 +52,7 @@ def leave_generation(store: dist.Store, generation: int, cause: dict[str, Any], 
 
 
 def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Membership], timeout: float,
-                     stopped: Callable[[], None], moved_to: int | None = None) -> ResumePlan:
+                     stopped: Callable[[], None], moved_to: int | None = None, elastic: bool = False) -> ResumePlan:
     """Joins the current generation and returns its plan; :class:`RunFinished` once the run's final state is in.
 
     ``moved_to``: the generation after the one whose wake woke this rank (where a fault moved the run; a
@@ -63,7 +63,8 @@ def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Mem
     if moved_to is None and store.check([Keys.FINAL]):
         raise RunFinished()
     return join_generation(store, world_size=world_size, me=me, timeout=timeout,
-                           finished=lambda: store.check([Keys.FINAL]), stopped=stopped, generation=moved_to)
+                           finished=lambda: store.check([Keys.FINAL]), stopped=stopped, generation=moved_to,
+                           elastic=elastic)
 
 
 def interrupt_for_stop(store: dist.Store, *, world_size: int) -> None:

@@ -19,8 +19,10 @@ import torch.distributed as dist
 from chaos import Phase
 from chaos.faults import RECOVERY_PHASES
 from monitors.events import EventLog
-from resilient_train.commit import BufferGuard, CommitGate, StepMeasured, StepRejected
+from resilient_train.commit import BufferGuard, CommitGate, MicroStepDone, StepMeasured, StepRejected
 from resilient_train.context import StepContext, StepFn
+from resilient_train.elastic.ordered import OrderedSum
+from resilient_train.elastic.width import Width
 from resilient_train.errors import GenerationFailed
 from resilient_train.local_state import LocalSlots, as_peer, encode_local, same_local
 from resilient_train.misuse import MisuseChecks
@@ -67,6 +69,12 @@ class Stepper:
         self._warned_late_local = False
         self.live: int | None = state.step  # the boundary the replicated state is at; None: torn or unknown
         self.published: tuple[int, dict[str, Any]] | None = None
+        # The generation's layout (resilient_train.elastic): the logical ranks this process computes, and the
+        # ordered average of their gradients (None: the plain all-reduce).
+        self.width = Width.full(world_size)
+        self._ordered: OrderedSum | None = None
+        self.gate.micro_done = lambda logical: self.publish_local(self.ctx.step + 1, logical=logical, current=False)
+        self.initial: Callable[[int], bool] = lambda logical: False  # sup.seed's RNGs for a logical rank
 
     def close(self) -> None:
         for handle in self._hooks:
@@ -91,11 +99,27 @@ class Stepper:
     def on_loss(self, loss: torch.Tensor, step: int, data_rank: int) -> torch.Tensor:
         return self.parts.on_loss(loss, step, data_rank)
 
+    def set_width(self, width: Width, *, ordered: bool) -> None:
+        """This generation's layout: who computes which logical rank; ``ordered``: the layout-independent
+        average (on any layout, and the only one where a process computes several logical ranks)."""
+        assert ordered or width.identity, "a process computing several logical ranks needs the ordered average"
+        self.width = width
+        self.gate.world_size = width.size
+        self._ordered = OrderedSum(width.by_group_rank(), width.group_rank(self.rank)) if ordered else None
+
+    @property
+    def hosted(self) -> list[int]:
+        """The logical ranks this process computes in this generation, in order."""
+        return self.width.hosted(self.rank)
+
+    def layout(self) -> OrderedSum | None:
+        return self._ordered
+
     # ------------------------------------------------------------ reducers
     def new_reducer(self, params: Any, *, bucket_mb: float | None = None) -> GradientReducer:
         # Only parts that look at gradients get them: the views cost a little on every step.
         looks = any(type(p).before_chunk is not Part.before_chunk for p in self.parts.parts)
-        hooks = ReducerHooks(vote=self._vote, stop=self._stop, group=self._group,
+        hooks = ReducerHooks(vote=self._vote, stop=self._stop, group=self._group, layout=self.layout,
                              before_chunk=(lambda views, last: self.parts.before_chunk(views, last, self.ctx.step))
                              if looks else None)
         reducer = GradientReducer(list(params), hooks, bucket_mb=bucket_mb or self._chunk_mb, force=self._force)
@@ -120,7 +144,18 @@ class Stepper:
 
     # ----------------------------------------------------------------- step
     def run_step(self, step_fn: StepFn, step: int) -> None:
-        """One step, committed (or skipped by the rerun policy); re-run flows happen before the commit."""
+        """One step, committed (or skipped by the rerun policy); re-run flows happen before the commit.
+
+        A process computing several logical ranks runs a micro-step for each but the last (its gradients
+        kept, its local state published at the gate, then it ends before the optimizer), and the last one
+        in full: its reduction averages every logical rank's contribution, in logical order."""
+        hosted = self.hosted
+        if hosted != [self.rank]:
+            for logical in hosted[:-1]:
+                self._micro(step_fn, step, logical)
+            self.rewind(step, hosted[-1])
+            self._compute(step_fn, step, hosted[-1], ComputeMode.COMMIT)
+            return
         mode = ComputeMode.COMMIT
         while True:
             try:
@@ -141,7 +176,7 @@ class Stepper:
         self.live = self.state.step
         now = self.state.local_state_dict()
         if self.published is None or self.published[0] != self.state.step or not same_local(now, self.published[1]):
-            self.publish_local(self.state.step)
+            self.publish_local(self.state.step, logical=self.hosted[-1])
             if not self._warned_late_local:
                 self._warned_late_local = True
                 self._events.emit("local_state_changed_after_reduction", rank=self.rank, step=self.state.step)
@@ -161,19 +196,40 @@ class Stepper:
         for p in self.state.model.parameters():
             p.grad = None
 
-    def publish_local(self, step: int, *, snapshot: bool = False) -> bytes:
+    def publish_local(self, step: int, *, snapshot: bool = False, logical: int | None = None,
+                      current: bool = True) -> bytes:
         """This rank's local state as boundary ``step``'s, in the store; returns the payload.
 
         ``snapshot``: into a snapshot slot, which outlives the two ring slots (a host snapshot's or a
         buddy copy's boundary); the ring's record of what was published at the vote is left as it is.
+        ``logical``: under that logical rank's keys (the one computed: ``ctx.data_rank``, by default the
+        process's own); ``current=False``: a micro-step's, not the state the process goes on from.
         """
         sd = self.state.local_state_dict()
         sd["step"] = step
         payload = encode_local(sd)
-        self._slots.publish(self.rank, step, payload, snapshot=snapshot)
-        if not snapshot:
+        self._slots.publish(self.rank if logical is None else logical, step, payload, snapshot=snapshot)
+        if not snapshot and current:
             self.published = (step, sd)
         return payload
+
+    def publish_start(self, step: int, loaded: dict[int, dict[str, Any]] | None = None) -> None:
+        """Boundary ``step``'s local state of every logical rank this process computes, as it starts them: as a
+        checkpoint holds it (``loaded``, by logical rank), else as ``initial(logical)`` seeds it, else as this
+        process's own state is (a logical rank nobody computed before, unseeded)."""
+        hosted = self.hosted
+        if hosted == [self.rank]:
+            self.publish_local(step)
+            return
+        own = self.state.local_state_dict()
+        for x in hosted:
+            if loaded is not None and x in loaded:
+                self.state.load_local(loaded[x])
+            else:
+                self.state.load_local({**own, "step": step})
+                if x != self.rank:  # this process's own logical rank keeps what the script did after seeding
+                    self.initial(x)
+            self.publish_local(step, logical=x, current=x == hosted[-1])
 
     def restored(self, step: int) -> None:
         """The state stands at boundary ``step`` after a restore (its local state is in the store already)."""
@@ -208,6 +264,23 @@ class Stepper:
         self.loss.note(out)
         return out
 
+    def _micro(self, step_fn: StepFn, step: int, logical: int) -> None:
+        """Computes ``logical``'s batch of ``step`` up to the gate, from its own local state; keeps its
+        gradients for the step's reduction."""
+        self.rewind(step, logical)
+        for reducer in self.gate.reducers:
+            reducer.micro = logical
+        self.gate.micro = logical
+        try:
+            self._compute(step_fn, step, logical, ComputeMode.COMMIT)
+        except MicroStepDone:
+            pass
+        finally:
+            for reducer in self.gate.reducers:
+                reducer.micro = None
+            self.gate.micro = None
+            self.ctx.data_rank = self.rank
+
     def _measure(self, step_fn: StepFn, step: int, as_rank: int) -> Any:
         """Computes ``step`` as ``as_rank`` up to its commit (a re-run); returns its result."""
         self.rewind(step, as_rank)
@@ -227,7 +300,7 @@ class Stepper:
             return 0.0  # abstain: the generation is over, nobody may commit
         vote = self.rerun.vote() if self.rerun is not None else 1.0
         if self._mode is not ComputeMode.MEASURE and not math.isnan(vote):
-            self.publish_local(self.ctx.step + 1)
+            self.publish_local(self.ctx.step + 1, logical=self.ctx.data_rank)
         return vote
 
     def _decide(self, total: float) -> None:

@@ -24,7 +24,7 @@ from chaos import Phase
 from monitors import EventLog
 from monitors.stacks import install_stack_dump
 from resilient_train import env as envvars
-from resilient_train.assemble import build_parts, preemption_disk
+from resilient_train.assemble import build_parts, make_reproducible, preemption_disk
 from resilient_train.buddy import BuddyCopies
 from resilient_train.config import SupervisorConfig
 from resilient_train.context import StepContext, StepFn
@@ -45,9 +45,9 @@ from resilient_train.mesh import MeshSpec, build_mesh, release_mesh
 from resilient_train.parts import DiskPart, Part
 from resilient_train.recovery import Recovery, stop_on_storage_fault
 from resilient_train.reducer import GradientReducer
+from resilient_train.elastic.rank import RankWidth
 from resilient_train.rendezvous import enter_generation, join_interruptibly
 from resilient_train.sharded import Parallelize, ShardedModule, check_sharded_run
-from resilient_train.stepping import Stepper
 from resilient_train.store import Keys, connect_worker_store
 from resilient_train.train_state import TrainState
 from resilient_train.watch import GenerationWatcher
@@ -81,12 +81,12 @@ class Supervisor:
         self._mesh_spec: MeshSpec | None = None
         self.mesh: Any = None  # the current generation's DeviceMesh (sup.sharded)
         self.buddy: BuddyCopies | None = None
-        # On SIGUSR2 every thread's stack goes to RUN_DIR/.monitors/rank{r}.stacks: the agent asks before it
-        # kills a hung rank.
+        # On SIGUSR2 every thread's stack goes to RUN_DIR/.monitors/rank{r}.stacks: the agent's, before a kill.
         self._stacks_file = install_stack_dump(self.run_dir, self.env.rank) if self.run_dir else None
         self.store = connect_worker_store(self.env, timeout=timedelta(seconds=config.join_timeout_s))
         self._join_store = self.store.clone()  # a join blocks its connection: a preempted main thread needs another
         self.slots = LocalSlots(self.store)
+        self.width = RankWidth(self.env, config)  # who computes which logical rank (resilient_train.elastic)
         explain_ddp_before_run(self.store, self.env.rank)
 
     # --------------------------------------------------------------- public
@@ -99,6 +99,11 @@ class Supervisor:
         wrapped = ReplicatedModule(model, ddp_kwargs, phase=lambda name: self.stepper.auto_phase(name))
         self._ddps.append((wrapped, None))
         return wrapped
+
+    def seed(self, seed: int) -> None:
+        """Seeds torch's, Python's and NumPy's RNGs for this rank, and for every logical rank this process
+        computes in an elastic job, each from ``seed`` and its number (resilient_train.elastic.rank)."""
+        self.width.seed(seed)
 
     def add_part(self, part: Part) -> None:
         """Plugs ``part`` (an integration, such as Megatron's parallel state) into the loop; call before ``run``."""
@@ -130,12 +135,11 @@ class Supervisor:
         if dist.is_initialized():
             raise UsageError("the supervisor builds the process group itself: do not call init_process_group")
         if self.config.reproducible:
-            torch.set_num_threads(1)
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.benchmark = False
+            make_reproducible()
         if self._sharded is not None:
             check_sharded_run(self._sharded, state.model, snapshot_every=self.config.snapshot_every,
                               rerun=self.config.rerun.enabled)
+        self.width.check(self.config, sharded=self._sharded is not None)
         self.state = state
         self._on_new_group = on_new_group
         self.preemption = Preemption(self.config.preemption)  # SIGTERM/SIGUSR1 from here on: a stop at a boundary
@@ -200,18 +204,13 @@ class Supervisor:
         built = build_parts(c, state, added=self._added, rank=rank, world_size=self.env.world_size, store=self.store,
                             run_dir=self.run_dir, events=self.events, device=self.device,
                             comm_device=self._comm_device, mesh_spec=self._mesh_spec,
-                            sharded=self._sharded is not None, stepper=lambda: self.stepper,
-                            step=lambda: self.ctx.step, generation=lambda: self.generation,
-                            progress_generation=lambda: self._progress_generation)
+                            sharded=self._sharded is not None, slots=self.slots, generation=lambda: self.generation,
+                            progress_generation=lambda: self._progress_generation, group=lambda: self.group,
+                            stop=self.preemption.flag, moved=lambda: self._watcher.moved.is_set(),
+                            training=lambda: self.lifecycle.state is _S.TRAINING, elastic=self.env.elastic)
         self.disk, self.snapshot, self.rerun, self.buddy = built.disk, built.snapshot, built.rerun, built.buddy
-        self.parts = built.parts
-        self.stepper = Stepper(state=state, rank=rank, parts=self.parts, rerun=self.rerun, slots=self.slots,
-                               events=self.events, world_size=self.env.world_size, device=self.device,
-                               chunk_mb=c.chunk_mb, generation=lambda: self.generation, group=lambda: self.group,
-                               stop=self.preemption.flag, force_reduction=c.force_reduction,
-                               moved=lambda: self._watcher.moved.is_set(),
-                               training=lambda: self.lifecycle.state is _S.TRAINING)
-        self.ctx = self.stepper.ctx
+        self.parts, self.stepper, self.ctx = built.parts, built.stepper, built.stepper.ctx
+        self.stepper.initial = self.width.initial
         if self.env.replacement:
             self.stepper.live = None  # a replacement holds nothing until it is healed
 
@@ -228,21 +227,25 @@ class Supervisor:
                               fresh=self._fresh, new_process=self._new_process,
                               replica_class=spec.replica_class(self.env.rank, self.env.world_size) if spec else 0,
                               own_steps=self.buddy.own_steps() if self.buddy is not None else [],
-                              buddy_steps=self.buddy.offered() if self.buddy is not None else {})
+                              buddy_steps=self.buddy.offered() if self.buddy is not None else {},
+                              **self.width.report(self.slots))
 
         moved_to, self.recovery.moved_to = self.recovery.moved_to, None
         plan = join_interruptibly(
             lambda: enter_generation(self._join_store, world_size=self.env.world_size, me=me, moved_to=moved_to,
-                                     timeout=self.config.join_timeout_s, stopped=self.recovery.raise_if_stopped),
+                                     timeout=self.config.join_timeout_s, stopped=self.recovery.raise_if_stopped,
+                                     elastic=self.env.elastic),
             requested=lambda: self.preemption.overdue_in_join(since=t0), interrupt=lambda: self.recovery.stop_for_preemption(
                 self.preemption.signal, fresh=self._fresh, step=self.ctx.step, generation=self.generation))
         self.recovery.say_woken_detection(plan)
         self.generation = self._progress_generation = plan.generation
         self._watcher.watch(plan.generation)
         self.stepper.enter(Phase.RENDEZVOUS.value, plan.step if plan.step is not None else self.state.step)
-        self.group = build_group(self.store, plan.generation, rank=self.env.rank, world_size=self.env.world_size,
-                                 backend=self.backend, timeout_s=self.config.pg_timeout_s, device=self.device,
-                                 cancelled=self._watcher.moved)
+        width = self.width.adopt(plan)
+        self.stepper.set_width(width, ordered=self.width.ordered)
+        self.group = build_group(self.store, plan.generation, rank=width.group_rank(self.env.rank),
+                                 world_size=width.size, backend=self.backend, timeout_s=self.config.pg_timeout_s,
+                                 device=self.device, cancelled=self._watcher.moved)
         if self._mesh_spec is not None:
             self.mesh = build_mesh(self._mesh_spec, world_size=self.env.world_size, device=self.device)
         self.parts.on_generation(plan.generation, self.store)
@@ -267,19 +270,19 @@ class Supervisor:
                               store=self.store, events=self.events, buddy=self.buddy,
                               timeout=self.config.join_timeout_s, steps=self.config.steps)
         self._fresh = self._new_process = False
+        # A stop asked during the failed step or the recovery: every rank stops at this boundary, checkpointed
+        # (agreed before the DDPs and the script's hook, whose collectives may not match across ranks).
+        stop = state.step < self.config.steps and self.stepper.gate.agree_stop()
         self._rebuild_ddp(first=plan.source is ResumeSource.START)
         if self._on_new_group is not None:
             self._on_new_group()
-            # A DDP the script builds itself is built here: it gets the plan's hook, and one kept from an
-            # earlier generation is a misuse (the search walks the heap: only where it can find something).
             adopt_user_ddp(state.model, self.group, lambda: self.stepper.new_reducer(state.model.parameters()),  # type: ignore[arg-type]
-                           plan.generation)
+                           plan.generation)  # a DDP the script built gets the plan's hook (an old one: a misuse)
         release_retired(self._retired)  # the script's DDPs of earlier generations are gone now (or a misuse was raised)
         self.parts.on_restored(state)
         self.recovery.timings["heal_s"] = time.monotonic() - t0
         self.recovery.report(plan, resume_step=state.step)
-        # A stop asked during the failed step or the recovery: every rank stops at this boundary, checkpointed.
-        return _S.PREEMPTING if state.step < self.config.steps and self.stepper.gate.agree_stop() else _S.TRAINING
+        return _S.PREEMPTING if stop else _S.TRAINING
 
     def _train(self, step_fn: StepFn) -> SupervisorState:
         state = self.state
@@ -311,7 +314,8 @@ class Supervisor:
     def _preemption_disk(self) -> DiskCheckpoints:
         self.disk = self.disk or preemption_disk(
             self.run_dir, rank=self.env.rank, world_size=self.env.world_size, store=self.store, events=self.events,
-            mesh_spec=self._mesh_spec, sharded=self._sharded is not None, suspended=self.stepper.gate.suspended)
+            mesh_spec=self._mesh_spec, sharded=self._sharded is not None, suspended=self.stepper.gate.suspended,
+            width=(lambda: self.stepper.width) if self.env.elastic else None)
         return self.disk
 
     def _publish_grace(self) -> float:
@@ -323,7 +327,7 @@ class Supervisor:
     def _finish(self) -> SupervisorState:
         self.stepper.enter("checkpoint", self.state.step)  # waiting for every rank, then for the final state
         finish_job(self.store, self.state, generation=self.generation, rank=self.env.rank,
-                   world_size=self.env.world_size, moved=self._watcher.moved, timeout=self.config.join_timeout_s,
+                   world_size=self.stepper.width.size, logical_ranks=self.env.world_size, moved=self._watcher.moved, timeout=self.config.join_timeout_s,
                    steps=self.config.steps, run_dir=self.run_dir if self.config.write_final else None,
                    events=self.events, sharded=self._sharded.module if self._sharded is not None else None,
                    suspended=self.stepper.gate.suspended)

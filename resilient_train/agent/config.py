@@ -29,7 +29,11 @@ class AgentConfig:
     entry: Entry | None = None  # what each worker runs: a script, a module (-m) or a program (--no-python)
     script_args: list[str] = field(default_factory=list)  # the script's own arguments
     nproc_per_node: int = 1  # workers on this node
-    nnodes: int = 1  # nodes in the job
+    nnodes: int = 1  # nodes in the job (an elastic job: at most; its width is nnodes x nproc_per_node logical ranks)
+    # An elastic job (--nnodes MIN:MAX): it runs on as few as this many nodes; None: nnodes (a fixed node count)
+    min_nodes: int | None = None
+    last_call_s: float = 5.0  # an elastic job starts this long after MIN nodes came, or once all came (last_call_timeout)
+    join_timeout_s: float = 600.0  # an elastic job's node 0 waits this long for MIN nodes (--rdzv-conf join_timeout)
     node_rank: int = 0  # this node's rank
     master_addr: str = "127.0.0.1"  # the store's host: node 0
     master_port: int = 0  # the store's port; 0: pick a free port (kept for every attempt either way)
@@ -73,6 +77,12 @@ class AgentConfig:
             raise ValueError(f"agent.nproc_per_node (--nproc-per-node) must be at least 1, got {self.nproc_per_node}")
         if self.nnodes < 1:
             raise ValueError(f"agent.nnodes (--nnodes) must be at least 1, got {self.nnodes}")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise ValueError(f"agent.min_nodes (--nnodes MIN:MAX) must be in [1, {self.nnodes}], got {self.min_nodes}")
+        if self.min_nodes is None:
+            self.min_nodes = self.nnodes
+        check_seconds(self.last_call_s, "agent.last_call_s (--rdzv-conf last_call_timeout)", zero_ok=True)
+        check_seconds(self.join_timeout_s, "agent.join_timeout_s (--rdzv-conf join_timeout)")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--nnodes > 1 needs the store's port: --master-port P (or --rdzv-endpoint HOST:PORT; "
                              "agent.master_port)")
@@ -112,6 +122,11 @@ class AgentConfig:
                 check_dashboard()  # a missing extra is bad input, said before anything starts
             except DashboardUnavailable as e:
                 raise ValueError(str(e)) from None
+
+    @property
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX`` with MIN < MAX: the nodes may come and go (resilient_train.agent.width)."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
 
     @property
     def world_size(self) -> int:

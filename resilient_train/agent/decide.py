@@ -136,8 +136,9 @@ def _worker_exited(view: View, e: WorkerExited) -> Decision:
     if e.rc == exitcodes.STOPPED or e.stop is not None:
         # A rank stopped the job (a bug that reproduced, a misuse, a full disk): nothing to replace.
         stop = e.stop or {"summary": f"rank {e.rank} exited with code {e.rc}"}
+        who = stop.get("rank", e.rank)  # -1: an agent stopped it (an elastic job below its MIN nodes)
         return StopJob(rank=e.rank, rc=e.rc, exit_code=int(stop.get("exit_code", exitcodes.STOPPED)),
-                       reason=f"rank {stop.get('rank', e.rank)} stopped it: {stop.get('summary')}")
+                       reason=str(stop.get("summary")) if who == -1 else f"rank {who} stopped it: {stop.get('summary')}")
     if e.rc == exitcodes.REQUEUE:
         # Preempted: every rank stopped at one boundary after its checkpoint (resilient_train.preempt).
         return ShutDown(signum=None, signalled=False, preempted_rank=e.rank)

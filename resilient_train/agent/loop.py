@@ -48,7 +48,7 @@ from resilient_train.entry import Entry
 from resilient_train.rundir import RunDirError, take_run_dir
 from resilient_train.slurmenv import slurm_job
 from resilient_train.spares import SparePool, spare_env, spares_wanted
-from resilient_train.store import Keys, current_generation
+from resilient_train.store import Keys
 from resilient_train.console import Console, Std
 
 __all__ = ["Agent"]
@@ -309,10 +309,8 @@ class Agent:
     def _start_node(self) -> None:
         """Starts this node's ranks (registered first, many nodes): replacements when the job already ran
         without them (the node comes back, or a spare took it)."""
-        returning = False
-        if self.membership is not None:
-            returning = self.membership.register(self.store, self.host.connect)
-        generation = current_generation(self.store) if returning else 0
+        returning, generation = (self.membership.enter(self.store, self.host.connect) if self.membership is not None
+                                 else (False, 0))
         for rank in self.config.ranks():
             self._spawn(rank, generation, replacement=returning)
         if self.spares is not None:

@@ -25,7 +25,11 @@ from resilient_train.fence import FENCE_WAIT_S
 from resilient_train.nodes import (
     Heartbeat, NodeKeys, NodeWatch, assign_spare, claim_loss, register_node, register_spare,
 )
-from resilient_train.store import Keys, current_generation, declare_fault, read_stop
+from resilient_train import exitcodes
+from resilient_train.agent.width import BelowMinimum, grow, is_member, shrink, start_members, wait_for_start
+from resilient_train.elastic.members import members_of
+from resilient_train.rendezvous import interrupt_for_stop
+from resilient_train.store import Keys, current_generation, declare_fault, read_stop, request_stop
 
 __all__ = ["Membership", "fence_wait_s"]
 
@@ -58,6 +62,28 @@ class Membership:
         self._fence_checked_at = 0.0
 
     # --------------------------------------------------------------- a node
+    def enter(self, store: dist.Store, connect: Callable[[], dist.Store]) -> tuple[bool, int]:
+        """Registers this node (:meth:`register`); whether its ranks start as replacements, and the generation
+        they start in. An elastic job (resilient_train.agent.width): node 0's agent names the first nodes; a
+        node not among the current members (it came back, or came late) grows the job."""
+        returning = self.register(store, connect)
+        c = self.config
+        if not c.elastic:
+            return returning, current_generation(store) if returning else 0
+        if c.node_rank == 0 and not c.spare:
+            members = start_members(store, c, self._say)
+            self.events.emit("width_changed", generation=0, cause="start", members=members,
+                             nodes=sorted({m // c.nproc_per_node for m in members}), width=c.world_size)
+            return False, 0
+        wait_for_start(store, c)
+        if is_member(store, c, c.node_rank):
+            return returning, current_generation(store) if returning else 0
+        g = grow(store, c, c.node_rank)
+        self.events.emit("width_changed", generation=g, cause="grow", node=c.node_rank, width=c.world_size)
+        self._say(f"node {c.node_rank} joins the job at generation {g}: its ranks heal from a live replica and "
+                  "take their logical ranks back")
+        return True, g
+
     def register(self, store: dist.Store, connect: Callable[[], dist.Store]) -> bool:
         """Registers this agent as its node's next incarnation and starts its beat; True when the node's ranks
         ran before (the node comes back, or a spare takes it): they start as replacements."""
@@ -141,9 +167,31 @@ class Membership:
                          timeout_s=c.node_timeout_s)
         if spare is not None:
             self._say(f"node {node} lost (no beat for {c.node_timeout_s:g} s): handed to spare node agent {spare}")
+        elif c.elastic:
+            self._shrink(store, node)
         else:
             self._say(f"node {node} lost (no beat for {c.node_timeout_s:g} s) and no spare node: its ranks' "
                       "peers wait for it to come back (their join timeout), then the job stops")
+
+    def _shrink(self, store: dist.Store, node: int) -> None:
+        """An elastic job loses a node and no spare waits: the survivors take its logical ranks (below MIN
+        nodes, the job stops with 75 instead)."""
+        c = self.config
+        try:
+            g = shrink(store, c, node)
+        except BelowMinimum as e:
+            reason = f"{e}: stopping; start the job again to resume from its newest checkpoint"
+            request_stop(store, {"rank": -1, "summary": reason, "exit_code": exitcodes.REQUEUE, "step": -1,
+                                 "generation": current_generation(store)})
+            interrupt_for_stop(store, world_size=c.world_size)
+            self.events.emit("width_below_minimum", node=node, min_nodes=c.min_nodes, reason=reason)
+            return
+        members = members_of(store, g, c.world_size)
+        nodes = sorted({m // c.nproc_per_node for m in members})
+        self.events.emit("width_changed", generation=g, cause="shrink", node=node, members=members, nodes=nodes,
+                         width=c.world_size)
+        self._say(f"node {node} lost and no spare: the job goes on with node(s) {nodes}, their ranks computing "
+                  f"node {node}'s logical ranks too (generation {g})")
 
     def leave(self, store: dist.Store, *, hosting: bool, until: float | None = None) -> None:
         """This node is done; node 0's agent keeps the store up until every node is (``until``, a monotonic
@@ -154,7 +202,8 @@ class Membership:
             return
         deadline = time.monotonic() + LEAVE_TIMEOUT_S if until is None else until
         timeout_s = max(0.0, deadline - time.monotonic())
-        pending = [n for n in range(c.nnodes) if n != c.node_rank]
+        # Nodes that never came (an elastic job below its MAX) are not waited for.
+        pending = [n for n in range(c.nnodes) if n != c.node_rank and int(store.add(NodeKeys.incarnation(n), 0)) > 0]
         lost: set[int] = set()
         looked_at = 0.0
         while time.monotonic() < deadline:

@@ -118,6 +118,8 @@ class Workers:
             E.RT_ROLE: "replacement" if replacement else "initial", E.RT_CHAOS: c.chaos,
             E.RT_JOB_TOKEN: token,
         })
+        if c.elastic:
+            env[E.RT_ELASTIC] = "1"  # WORLD_SIZE logical ranks on the live processes (resilient_train.elastic)
         env.update(extra or {})
         if error_file is not None:
             env["TORCHELASTIC_ERROR_FILE"] = str(error_file.resolve())
