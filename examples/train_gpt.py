@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -177,12 +176,9 @@ def main(argv: list[str] | None = None, *,
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         model = GPT(cfg).to(sup.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    # Each rank its own dropout stream; every RNG the job uses is seeded, so a
-    # run is a function of its arguments (the supervisor restores them all).
-    torch.manual_seed(args.seed * 7919 + sup.env.rank)
-    random.seed(args.seed * 7919 + sup.env.rank)
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(args.seed * 7919 + sup.env.rank)
+    # Each rank its own dropout stream; every RNG the job uses is seeded, so a run is a function of its
+    # arguments (the supervisor restores them all). sup.seed seeds each logical rank of an elastic job too.
+    sup.seed(args.seed)
     state = rt.TrainState(model=model, optimizer=optimizer)
 
     def train_step(ctx: rt.StepContext) -> torch.Tensor:

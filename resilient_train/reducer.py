@@ -104,10 +104,14 @@ class GradientReducer:
         self._solo_vote: float | None = None  # a world of one: the vote never leaves the host
         self._solo_stop = 0.0
         self._solo_seen = 0
+
+    def new_round(self) -> None:
+        """A step of several micro-steps begins: no logical rank's contribution is kept yet."""
         self._stashed = set()
 
     def forget(self) -> None:
         """After a failure: forgets the step and the buffers, which a collective left running may still write."""
+        self.new_round()
         self.reset()
         self._flat = None
         self._votes = None

@@ -151,6 +151,8 @@ class Stepper:
         in full: its reduction averages every logical rank's contribution, in logical order."""
         hosted = self.hosted
         if hosted != [self.rank]:
+            for reducer in self.gate.reducers:
+                reducer.new_round()
             for logical in hosted[:-1]:
                 self._micro(step_fn, step, logical)
             self.rewind(step, hosted[-1])
@@ -227,8 +229,8 @@ class Stepper:
                 self.state.load_local(loaded[x])
             else:
                 self.state.load_local({**own, "step": step})
-                if x != self.rank:  # this process's own logical rank keeps what the script did after seeding
-                    self.initial(x)
+                if x != self.rank and self.initial(x):  # its own logical rank keeps what the script did after it
+                    self.state.reseeded()
             self.publish_local(step, logical=x, current=x == hosted[-1])
 
     def restored(self, step: int) -> None:

@@ -197,6 +197,11 @@ class TrainState:
         for name, obj in self.replicated.items():
             obj.load_state_dict(sd["replicated"][name])
 
+    def reseeded(self) -> None:
+        """The RNGs were just seeded for a logical rank (sup.seed): that is not a use of them by the script."""
+        rng = capture_rng()
+        self.rng_use.reset_to(self.rng_use.used, {k: rng[k] for k in ("python", "numpy") if k in rng})
+
     def local_state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"step": self.step, "rng": capture_rng(self.rng_use)}
         if self.extra is not None:
