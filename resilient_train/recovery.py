@@ -29,7 +29,7 @@ from resilient_train.errors import Failure, JobStopped
 from resilient_train.generation import ResumePlan
 from resilient_train.judge import Judge, Stop
 from resilient_train.rendezvous import interrupt_for_stop, leave_generation, stop_after_failure
-from resilient_train.store import read_fault, read_stop, request_stop
+from resilient_train.store import Keys, read_fault, read_stop, request_stop
 from resilient_train.watch import GenerationWatcher
 
 __all__ = ["Recovery", "stop_on_storage_fault"]
@@ -154,6 +154,7 @@ class Recovery:
         ``resume_step``: where the state stands now, whatever restored it: a live replica, a host snapshot or a
         buddy copy (plan.step), or the checkpoint all ranks agreed to load (plan.step is None for a disk resume).
         """
+        self._store.add(Keys.restored(plan.generation), 1)
         if "t_detect" not in self.timings:
             return  # a fresh start, not a recovery
         t = self.timings

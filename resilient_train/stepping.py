@@ -123,6 +123,7 @@ class Stepper:
                              before_chunk=(lambda views, last: self.parts.before_chunk(views, last, self.ctx.step))
                              if looks else None)
         reducer = GradientReducer(list(params), hooks, bucket_mb=bucket_mb or self._chunk_mb, force=self._force)
+        reducer.micro = self.gate.micro  # made inside a micro-step (ctx.average_gradients' first call): keeps too
         self.gate.reducers.append(reducer)
         return reducer
 

@@ -80,6 +80,12 @@ class Keys:
         return f"rt/gen/{g}/done"
 
     @staticmethod
+    def restored(g: int) -> str:
+        """A counter: the ranks of generation ``g`` whose state stands at its resume step (an elastic job's
+        node that joins late waits for all of them before it fails ``g``: resilient_train.agent.width)."""
+        return f"rt/gen/{g}/restored"
+
+    @staticmethod
     def gen_scope(g: int, name: str) -> str:
         """A key of generation ``g`` for one of the runtime's parts (checkpoints, rerun)."""
         return f"rt/gen/{g}/{name}"

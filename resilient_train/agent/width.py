@@ -31,7 +31,7 @@ import torch.distributed as dist
 from resilient_train.agent.config import AgentConfig
 from resilient_train.elastic.members import members_of, propose_members, read_members
 from resilient_train.nodes import NodeKeys
-from resilient_train.store import current_generation, declare_fault, wait_until
+from resilient_train.store import Keys, current_generation, declare_fault, wait_until
 
 __all__ = ["BelowMinimum", "grow", "is_member", "node_slots", "shrink", "start_members", "wait_for_start"]
 
@@ -124,9 +124,24 @@ def shrink(store: dist.Store, config: AgentConfig, node: int) -> int:
                                             "time": time.time(), "width": "shrink"})
 
 
+def _restored(store: dist.Store, config: AgentConfig, timeout_s: float) -> None:
+    """Until every member of the current generation stands at its resume step (its local states published): a
+    generation failed before that leaves no step to resume from but the start, which the members that did not
+    compute it cannot start from."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        g = current_generation(store)
+        if int(store.add(Keys.restored(g), 0)) >= len(members_of(store, g, config.world_size)):
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"generation {g} of the job did not start within {timeout_s:g} s")
+        time.sleep(_LOOK_S)
+
+
 def grow(store: dist.Store, config: AgentConfig, node: int) -> int:
-    """Adds ``node``'s slots to the next generation (it came back, or came late); the generation its ranks
-    join."""
+    """Adds ``node``'s slots to the next generation (it came back, or came late), once the current one has
+    started; the generation its ranks join."""
+    _restored(store, config, config.join_timeout_s)
     return _change(store, config, lambda members: sorted({*members, *node_slots(config, node)}),
                    {"rank": node * config.nproc_per_node, "kind": "node_joined", "node": node, "time": time.time(),
                     "width": "grow"})
