@@ -86,7 +86,8 @@ class Agent:
         self.hangs = HangPolicy(c.monitor, self.run_dir, events=self.events, say=self._say)
         self.persist = MonitorState(self.run_dir, every_s=c.monitor_state_every_s, events=self.events, say=self._say)
         self._watch_node(waiting=c.spare)
-        self.membership = Membership(c, events=self.events, say=self._say) if c.nnodes > 1 else None
+        self.membership = Membership(c, events=self.events, say=self._say, token=self.host.token) if c.nnodes > 1 \
+            else None
         self.workers = Workers(c, self.entry, run_dir=self.run_dir, events=self.events, console=self.console)
         self.recovery = Recovery(c, self.lifecycle, workers=self.workers, hangs=self.hangs, host=self.host,
                                  events=self.events, say=self._say,

@@ -26,6 +26,7 @@ from resilient_train.nodes import (
     Heartbeat, NodeKeys, NodeWatch, assign_spare, claim_loss, register_node, register_spare,
 )
 from resilient_train import exitcodes
+from resilient_train.agent.liveness import LivenessClient, LivenessServer
 from resilient_train.agent.width import BelowMinimum, grow, is_member, shrink, start_members, wait_for_start
 from resilient_train.elastic.members import members_of
 from resilient_train.rendezvous import interrupt_for_stop
@@ -50,9 +51,11 @@ def fence_wait_s(node_timeout_s: float) -> float:
 class Membership:
     """One agent of a many-node job (``config.nnodes > 1``)."""
 
-    def __init__(self, config: AgentConfig, *, events: EventLog, say: Callable[[str], None]) -> None:
+    def __init__(self, config: AgentConfig, *, events: EventLog, say: Callable[[str], None], token: str = "") -> None:
         assert config.nnodes > 1
         self.config, self.events, self._say = config, events, say
+        self._token = token  # the job's secret: the liveness connection's proof (resilient_train.agent.liveness)
+        self._liveness: LivenessServer | LivenessClient | None = None
         self.incarnation = 0
         self.spare_index: int | None = None
         self._heartbeat: Heartbeat | None = None
@@ -90,6 +93,10 @@ class Membership:
         c = self.config
         self.incarnation = register_node(store, c.node_rank)
         self._heartbeat = Heartbeat(connect, c.node_rank, self.incarnation)
+        if c.node_rank == 0 and not c.spare:  # node 0's agent hosts the store: it sees the others die at once
+            self._liveness = LivenessServer(store, self._token, c.master_addr)
+        else:
+            self._liveness = LivenessClient(store, self._token, c.master_addr, c.node_rank, self.incarnation)
         self._watch = NodeWatch(store, c.node_rank, c.nnodes, c.node_timeout_s)
         returning = (self.incarnation > 1 or c.spare) and store.check([Keys.supervised(c.first_rank)])
         self.events.emit("node_started", node=c.node_rank, incarnation=self.incarnation, returning=returning)
@@ -137,7 +144,8 @@ class Membership:
                 return [Fenced(how=f"no beat for {self.config.node_timeout_s:g} s: its agent was stopped or cut "
                                    "off")]
         lost: list[NodeLost | Fenced] = []
-        for node, incarnation in self._watch.poll():
+        died = self._liveness.lost() if isinstance(self._liveness, LivenessServer) else []
+        for node, incarnation in [*died, *self._watch.poll()]:
             # Node 0 is never claimed: its loss is the store's, which every agent learns from its own calls
             # (fencing a node 0 that was only slow to beat would end the job).
             if node == 0 or (node, incarnation) in self._handled:
@@ -257,3 +265,5 @@ class Membership:
     def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.close()
+        if self._liveness is not None:
+            self._liveness.close()
