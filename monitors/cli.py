@@ -147,6 +147,12 @@ def _status(run: Path, out: TextIO) -> int:
     ranks = sorted(set(slot_ranks) | {int(r) for r in scores})
     world = start.get("world_size")
     w(f"ranks: {len(ranks)}" + (f" (world size {world})" if world else ""))
+    width = kinds.get("width_changed", [None])[-1]
+    if width is not None:  # an elastic job: who computes which logical rank now
+        w(f"width: {width.get('width')} logical ranks on {width.get('processes')} processes (generation "
+          f"{width.get('generation')}, {width.get('cause')}): "
+          + ", ".join(f"rank {m} computes {sorted(x)}" for m, x in sorted(width.get("logical", {}).items(),
+                                                                          key=lambda kv: int(kv[0]))))
     now = time.monotonic()
     rates = []
     w(f"  {'rank':>4} {'pid':>8} {'state':<8} {'step':>7} {'section':<14} {'idle s':>7} "

@@ -86,7 +86,7 @@ class Supervisor:
         self.store = connect_worker_store(self.env, timeout=timedelta(seconds=config.join_timeout_s))
         self._join_store = self.store.clone()  # a join blocks its connection: a preempted main thread needs another
         self.slots = LocalSlots(self.store)
-        self.width = RankWidth(self.env, config)  # who computes which logical rank (resilient_train.elastic)
+        self.width = RankWidth(self.env, config, self.events)  # who computes which logical rank (elastic/)
         explain_ddp_before_run(self.store, self.env.rank)
 
     # --------------------------------------------------------------- public

@@ -75,14 +75,16 @@ class Membership:
             return returning, current_generation(store) if returning else 0
         if c.node_rank == 0 and not c.spare:
             members = start_members(store, c, self._say)
-            self.events.emit("width_changed", generation=0, cause="start", members=members,
+            self.events.emit("width_request", generation=0, cause="start", members=members,
                              nodes=sorted({m // c.nproc_per_node for m in members}), width=c.world_size)
             return False, 0
         wait_for_start(store, c)
         if is_member(store, c, c.node_rank):
             return returning, current_generation(store) if returning else 0
         g = grow(store, c, c.node_rank)
-        self.events.emit("width_changed", generation=g, cause="grow", node=c.node_rank, width=c.world_size)
+        members = members_of(store, g, c.world_size)
+        self.events.emit("width_request", generation=g, cause="grow", node=c.node_rank, members=members,
+                         nodes=sorted({m // c.nproc_per_node for m in members}), width=c.world_size)
         self._say(f"node {c.node_rank} joins the job at generation {g}: its ranks heal from a live replica and "
                   "take their logical ranks back")
         return True, g
@@ -196,7 +198,7 @@ class Membership:
             return
         members = members_of(store, g, c.world_size)
         nodes = sorted({m // c.nproc_per_node for m in members})
-        self.events.emit("width_changed", generation=g, cause="shrink", node=node, members=members, nodes=nodes,
+        self.events.emit("width_request", generation=g, cause="shrink", node=node, members=members, nodes=nodes,
                          width=c.world_size)
         self._say(f"node {node} lost and no spare: the job goes on with node(s) {nodes}, their ranks computing "
                   f"node {node}'s logical ranks too (generation {g})")

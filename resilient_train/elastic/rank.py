@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from monitors.events import EventLog
 from resilient_train.config import SupervisorConfig
 from resilient_train.elastic.width import Width
 from resilient_train.env import WorkerEnv
@@ -41,8 +42,9 @@ def seed_rank(seed: int, rank: int) -> None:
 
 
 class RankWidth:
-    def __init__(self, env: WorkerEnv, config: SupervisorConfig) -> None:
+    def __init__(self, env: WorkerEnv, config: SupervisorConfig, events: EventLog | None = None) -> None:
         self.slot = env.rank
+        self._events = events
         self.elastic = env.elastic
         self.ordered = config.ordered_reduction if config.ordered_reduction is not None else env.elastic
         self.width = Width.full(env.world_size)
@@ -84,6 +86,14 @@ class RankWidth:
     def adopt(self, plan: ResumePlan) -> Width:
         """The generation's layout, from its plan (a fixed-width job's never changes)."""
         if plan.width is not None:
+            before = self.width if self._joined else None
             self.width = Width.from_json(plan.width)
+            if self._events is not None and self.slot == min(self.width.members) and self.width != before:
+                cause = (plan.cause or {}).get("width") or ("start" if before is None else "recovery")
+                self._events.emit("width_changed", generation=plan.generation, cause=cause,
+                                  processes_from=before.size if before is not None else None,
+                                  processes=self.width.size, width=self.width.width,
+                                  members=list(self.width.members),
+                                  logical={str(m): self.width.hosted(m) for m in self.width.members})
         self._joined = True
         return self.width
