@@ -8,7 +8,10 @@ same model and optimizer (training simply goes on from block to block):
   (progress slot for the agent's monitors, events, the commit vote, published local state);
 * ``final``: ``sup`` that also writes the final state (``RUN_DIR/final``) at its end, first round
   only: its host peak includes the streamed write, its ``final`` column the write's seconds;
-* ``snap1``/``snap10``: the same with a host snapshot every 1 / 10 steps.
+* ``snap1``/``snap10``: the same with a host snapshot every 1 / 10 steps;
+* ``ordered``: ``sup`` with the layout-independent reduction of an elastic job
+  (``SupervisorConfig(ordered_reduction=True)``: per bucket an all-to-all, a sum in
+  logical-rank order, an all-gather, instead of one all-reduce).
 
 ``--force-reduction`` runs the supervised variants on the path of a world
 larger than one even at one rank (``SupervisorConfig(force_reduction=True)``:
@@ -49,7 +52,7 @@ PRESETS = {  # d_model, layers, heads, seq_len
     "20m": dict(d_model=512, layers=6, heads=8, seq_len=128),
     "tiny": dict(d_model=64, layers=2, heads=2, seq_len=32),
 }
-VARIANTS = ("plain", "sup", "final", "snap1", "snap10")
+VARIANTS = ("plain", "sup", "final", "snap1", "snap10", "ordered")
 DEFAULT_VARIANTS = ("plain", "sup", "snap1", "snap10")
 
 
@@ -161,10 +164,11 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
                     dist.destroy_process_group()
                 else:
                     os.environ[E.RT_JOB_TOKEN] = f"{variant}-{rnd}-{size}"  # each block its own keys
-                    every = {"sup": None, "final": None, "snap1": 1, "snap10": 10}[variant]
+                    every = {"sup": None, "final": None, "snap1": 1, "snap10": 10, "ordered": None}[variant]
                     sup = rt.Supervisor(rt.SupervisorConfig(steps=step_no + total, write_final=variant == "final",
                                                             snapshot_every=every,
-                                                            force_reduction=args.force_reduction))
+                                                            force_reduction=args.force_reduction,
+                                                            ordered_reduction=variant == "ordered"))
                     net = sup.ddp(model, device_ids=[rank] if cuda else None)
                     state = rt.TrainState(model=model, optimizer=optimizer, step=step_no)
 

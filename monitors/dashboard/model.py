@@ -67,6 +67,7 @@ class RunModel:
         self._spawned: list[dict[str, Any]] = []  # replacements only
         self._replacement_starts: list[dict[str, Any]] = []
         self._controls: list[dict[str, Any]] = []  # changes made from a dashboard
+        self._widths: list[dict[str, Any]] = []  # an elastic job's width changes (the ranks' width_changed)
         self.scores = ScoreHistory()
         self.checkpoints = CheckpointLog()
         self.events = 0
@@ -142,6 +143,9 @@ class RunModel:
             self._final = e
         elif name == "straggler_control":
             self._controls.append(e)
+        elif name == "width_changed":
+            if _is_int(e.get("processes")) and _is_int(e.get("width")):
+                self._widths.append(e)
         else:
             self.unknown[name] = self.unknown.get(name, 0) + 1
         g = e.get("generation")
@@ -192,12 +196,17 @@ class RunModel:
             "loss": self._loss, "generation": self._generation,
             "restarts": end.get("restarts") if end and _is_int(end.get("restarts")) else self._replacements,
             "final_state": self._final is not None, "ranks_started": len(self._run_ranks),
+            "width": {"processes": self._widths[-1]["processes"], "logical": self._widths[-1]["width"],
+                      "hosts": self._widths[-1].get("logical", {})} if self._widths else None,
         }
 
     def _steps_view(self, t0: float, end: float, finished: bool) -> dict[str, Any]:
         times = np.asarray(self._step_t, dtype=np.float64) - t0
         out: dict[str, Any] = {"count": int(times.size), "last": self._step, "rate": {"t": [], "v": []},
-                               "rate_now": None, "bucket_s": None}
+                               "rate_now": None, "bucket_s": None,
+                               # an elastic job's width changes, marked on the step-rate chart
+                               "widths": [{"t": round(float(w["time"]) - t0, 2), "processes": w["processes"],
+                                           "logical": w["width"], "cause": str(w.get("cause"))} for w in self._widths]}
         if times.size == 0:
             return out
         span = max(end - t0, 1e-9)

@@ -66,7 +66,8 @@
     }
     var s = d.straggler, rate = d.steps.rate_now;
     var kpis = [
-      ['ranks', r.world_size === null ? '–' : r.world_size],
+      r.width ? ['processes / logical ranks', r.width.processes + ' / ' + r.width.logical, r.width.processes < r.width.logical]
+              : ['ranks', r.world_size === null ? '–' : r.world_size],
       ['step', r.step === null ? '–' : r.step],
       ['steps/s', rate === null ? '–' : num(rate, 1)],
       ['generation', r.generation === null ? '–' : r.generation],
@@ -217,6 +218,10 @@
     var r = d.steps.rate;
     var marks = d.incidents.filter(function (i) { return i.reported; }).map(function (i) {
       return {xAxis: i.t, label: {formatter: '#' + i.index}};
+    });
+    (d.steps.widths || []).forEach(function (w) {  // an elastic job's width: processes computing its logical ranks
+      marks.push({xAxis: w.t, lineStyle: {color: '#2a9d8f', type: 'solid'},
+                  label: {color: '#2a9d8f', formatter: w.processes + '/' + w.logical + ' (' + w.cause + ')'}});
     });
     var areas = d.incidents.filter(function (i) { return i.reported && i.total_s > 0; }).map(function (i) {
       return [{xAxis: i.t}, {xAxis: i.t + i.total_s}];
