@@ -51,21 +51,23 @@ def main(argv: list[str] | None = None) -> int:
 
     x, y = batch(args.seed, 0, 0, size=args.dataset, cfg=cfg, device=torch.device("cpu"))
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
-    per_epoch = len(sampler) // args.batch
+    # One sampler per data rank: a process of an elastic job (--nnodes MIN:MAX) may compute several.
+    samplers = {r: DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=True, seed=args.seed,
+                                      drop_last=True) for r in range(world)}
+    per_epoch = len(samplers[rank]) // args.batch
     if per_epoch < 1:
         raise SystemExit(f"--dataset {args.dataset} is too small for {world} ranks of --batch {args.batch}")
-    epoch_indices: dict[int, list[int]] = {}
+    epoch_indices: dict[tuple[int, int], list[int]] = {}
 
-    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch of ``step``: its epoch's shuffled indices, read by position."""
+    def batch_at(step: int, data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``step`` for ``data_rank``: its epoch's shuffled indices, read by position."""
         epoch, i = divmod(step, per_epoch)
-        if epoch not in epoch_indices:
-            sampler.set_epoch(epoch)
-            epoch_indices.clear()
-            epoch_indices[epoch] = list(sampler)
-        idx = epoch_indices[epoch][i * args.batch:(i + 1) * args.batch]
+        if (epoch, data_rank) not in epoch_indices:
+            for old in [k for k in epoch_indices if k[0] < epoch]:
+                del epoch_indices[old]
+            samplers[data_rank].set_epoch(epoch)
+            epoch_indices[(epoch, data_rank)] = list(samplers[data_rank])
+        idx = epoch_indices[(epoch, data_rank)][i * args.batch:(i + 1) * args.batch]
         return x[idx].to(device), y[idx].to(device)
 
     torch.manual_seed(args.seed)
@@ -74,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * s / max(args.steps, 1))))
-    torch.manual_seed(args.seed * 7919 + rank)  # each rank its own dropout stream
+    sup.seed(args.seed)  # rt: each (logical) rank its own dropout stream
 
     def train_step(ctx: rt.StepContext) -> torch.Tensor:  # rt: the loop body, as a function of the step
-        xb, yb = batch_at(ctx.step)
+        xb, yb = batch_at(ctx.step, ctx.data_rank)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = ddp(xb, yb)
         optimizer.zero_grad(set_to_none=True)
