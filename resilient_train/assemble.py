@@ -33,6 +33,8 @@ from resilient_train.rerun.driver import RerunHooks
 from resilient_train.rerun.part import RerunPart
 from resilient_train.rerun.save import save_for_stop, shared_table
 from resilient_train.stepping import Stepper
+from resilient_train.succession.mirror import Mirror, MirrorPart
+from resilient_train.succession.movable import MovableStore
 from resilient_train.train_state import TrainState
 
 __all__ = ["Assembled", "build_parts", "disk_checkpoints"]
@@ -85,6 +87,9 @@ def build_parts(config: SupervisorConfig, state: TrainState, *, added: list[Part
             generation=progress_generation))
     if c.cupti is not None:
         parts.append(CuptiPart(c.cupti, events))
+    if isinstance(store, MovableStore):  # many nodes: local states copied to the store's next host too
+        slots.mirror = Mirror(store.location)
+        parts.append(MirrorPart(slots.mirror))
     disk = disk_for(c.checkpoint) if c.checkpoint is not None else None
     if disk is None and run_dir is not None and (run_dir / "checkpoints").is_dir():
         # Checkpoints without a checkpoint config: a preemption's (resilient_train.preempt), to resume from.

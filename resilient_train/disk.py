@@ -31,7 +31,7 @@ from resilient_train.errors import UsageError, WrongInput
 from resilient_train.elastic.width import Width
 from resilient_train.fence import check_fence
 from resilient_train.local_state import LocalSlots
-from resilient_train.store import Keys, wait_until
+from resilient_train.store import Keys, scoped, wait_until
 from resilient_train.train_state import TrainState
 
 __all__ = ["DiskCheckpoints", "default_checkpoint_config"]
@@ -80,7 +80,7 @@ class DiskCheckpoints:
         self._slots = LocalSlots(store)  # every logical rank's published local state (an elastic job's save)
         # Re-pointed at each generation's keys by on_generation.
         self._manager = CheckpointManager(
-            config, rank=rank, world_size=world_size, store=dist.PrefixStore("rt/ckpt-unused", store), events=events,
+            config, rank=rank, world_size=world_size, store=scoped(store, "rt/ckpt-unused"), events=events,
             first_replica=first_replica,
         )
 
@@ -92,7 +92,7 @@ class DiskCheckpoints:
         if self._width is not None:
             w = self._width()
             layout = {"rank": w.group_rank(self.rank), "world_size": w.size}
-        self._manager.set_store(dist.PrefixStore(Keys.gen_scope(generation, "ckpt"), store),
+        self._manager.set_store(scoped(store, Keys.gen_scope(generation, "ckpt")),
                                 cancelled=lambda: store.check([Keys.fault(generation)]), **layout)
 
     def prepare(self, state: TrainState) -> None:

@@ -20,6 +20,9 @@ __all__ = [
     "RT_JOB_TOKEN",
     "RT_NODE",
     "RT_NODE_INCARNATION",
+    "RT_STORE_CALL_S",
+    "RT_STORE_EPOCH",
+    "RT_STORE_FILE",
     "RT_REPRODUCIBLE",
     "RT_ROLE",
     "RT_RUN_CONFIG",
@@ -49,6 +52,9 @@ RT_CHAOS = "RT_CHAOS"  # JSON list of faults to inject (see chaos.faults)
 RT_SPAWNED_AT = "RT_SPAWNED_AT"  # wall-clock time the agent started (or assigned) the worker
 RT_NODE = "RT_NODE"  # many nodes: the node the worker's agent serves
 RT_NODE_INCARNATION = "RT_NODE_INCARNATION"  # many nodes: that agent's incarnation of the node (resilient_train.fence)
+RT_STORE_FILE = "RT_STORE_FILE"  # many nodes: where the worker's agent says where the store moved (succession)
+RT_STORE_EPOCH = "RT_STORE_EPOCH"  # many nodes: the epoch of the store at MASTER_ADDR:MASTER_PORT (0: node 0's)
+RT_STORE_CALL_S = "RT_STORE_CALL_S"  # many nodes: a store call's deadline (the host may stop without closing)
 RT_JOB_TOKEN = "RT_JOB_TOKEN"  # the job's secret: its keys in the store live under a namespace derived from it
 RT_TEST_CORRUPT_BUDDY = "RT_TEST_CORRUPT_BUDDY"  # tests: "RANK@STEP" flips a bit of the buddy copy RANK receives at STEP
 RT_REPRODUCIBLE = "RT_REPRODUCIBLE"  # "1": SupervisorConfig(reproducible=True) by default (the chaos runner sets it)

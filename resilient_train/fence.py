@@ -53,7 +53,7 @@ from resilient_train import env as E
 from resilient_train import exitcodes
 from resilient_train.nodes import NodeKeys
 
-__all__ = ["FENCE_WAIT_S", "Fence", "check_fence", "leave_if_cut_off"]
+__all__ = ["FENCE_WAIT_S", "Fence", "check_fence", "leave_fenced", "leave_if_cut_off"]
 
 FENCE_WAIT_S = 5.0  # at most, for the ranks of a lost incarnation to acknowledge (capped by --node-timeout)
 
@@ -131,3 +131,12 @@ def leave_if_cut_off(store: dist.Store) -> None:
     fence = _fence()
     if fence is not None and fence.node != 0:
         fence.leave(store, "store lost", say=False, ack=False)
+
+
+def leave_fenced(store: dist.Store, where: str) -> NoReturn:
+    """This rank cannot know whether its node is still part of the job: it leaves as fenced, silently (its
+    agent's line says it for the node), whatever its node; without a fence (one node) it exits FENCED too."""
+    fence = _fence()
+    if fence is not None:
+        fence.leave(store, where, say=False, ack=False)
+    os._exit(exitcodes.FENCED)

@@ -36,7 +36,7 @@ _ALLOWED: dict[SupervisorState, frozenset[SupervisorState]] = {
     _S.TRAINING: frozenset({_S.FINISHING, _S.PREEMPTING, _S.RECOVERING, _S.FAILED}),
     _S.PREEMPTING: frozenset({_S.DONE, _S.RECOVERING, _S.FAILED}),
     _S.FINISHING: frozenset({_S.DONE, _S.RECOVERING, _S.FAILED}),
-    _S.RECOVERING: frozenset({_S.JOINING, _S.FAILED}),
+    _S.RECOVERING: frozenset({_S.JOINING, _S.RECOVERING, _S.FAILED}),  # again: the store moved under it
     _S.DONE: frozenset(),
     _S.FAILED: frozenset(),
 }

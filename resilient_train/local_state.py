@@ -43,6 +43,8 @@ class LocalSlots:
         # its slots, so what it knows of them stays true, and a survivor joining a generation asks the store
         # nothing (a replacement reads its predecessor's slots once).
         self._known: dict[tuple[int, int | str], int | None] = {}
+        # Many nodes: where each published state is copied too (resilient_train.succession.mirror).
+        self.mirror: Any = None
 
     @staticmethod
     def key(rank: int, slot: int | str) -> str:
@@ -55,7 +57,10 @@ class LocalSlots:
             same = [s for s, h in held.items() if h == step]
             empty = [s for s, h in held.items() if h is None]
             slot = same[0] if same else empty[0] if empty else min(self.SNAPSHOTS, key=lambda s: held[s])  # type: ignore[arg-type, return-value]
-        self._store.set(self.key(rank, slot), f"{step}\n".encode() + payload)
+        value = f"{step}\n".encode() + payload
+        self._store.set(self.key(rank, slot), value)
+        if self.mirror is not None:
+            self.mirror.copy(self.key(rank, slot), value)
         self._known[(rank, slot)] = step
 
     def steps(self, rank: int) -> list[int]:

@@ -163,21 +163,27 @@ class Heartbeat:
     (or its host's) stops the beat.
     """
 
-    def __init__(self, connect: Callable[[], dist.Store], node: int, incarnation: int, *,
-                 interval_s: float = 0.5) -> None:
+    def __init__(self, connect: Callable[[], dist.Store], node: int | None, incarnation: int, *,
+                 interval_s: float = 0.5, also: tuple[str, ...] = ()) -> None:
         self._store = connect()
-        self._key = NodeKeys.beat(node, incarnation)
+        # The node's beat, and any other (the agent's succession entry's: resilient_train.succession.census).
+        self._keys = ([NodeKeys.beat(node, incarnation)] if node is not None else []) + list(also)
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"rt-node{node}-beat", daemon=True)
         self._thread.start()
 
+    def beat(self, node: int, incarnation: int) -> None:
+        """Beats for ``node`` from now on (a spare agent that took it over)."""
+        self._keys = [NodeKeys.beat(node, incarnation), *(k for k in self._keys if not k.startswith("rt/node/"))]
+
     def _loop(self) -> None:
         while not self._stop.wait(self._interval_s):
-            try:
-                self._store.add(self._key, 1)
-            except (RuntimeError, OSError):  # the store is gone: the agent's own calls say so
-                return
+            for key in self._keys:
+                try:
+                    self._store.add(key, 1)
+                except (RuntimeError, OSError):  # the store is gone or moving: the agent's own calls say so
+                    break
 
     def close(self) -> None:
         self._stop.set()

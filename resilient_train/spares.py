@@ -59,7 +59,9 @@ STALE_CHECK_S = 1.0
 
 # Set at the handover: they name the rank, its generation or its files, and nothing reads them at import.
 LATE_KEYS = frozenset({E.RANK, E.LOCAL_RANK, E.GROUP_RANK, "ROLE_RANK", E.RT_GENERATION, E.RT_ROLE,
-                       E.RT_SPAWNED_AT, "TORCHELASTIC_ERROR_FILE", E.RT_NODE, E.RT_NODE_INCARNATION})
+                       E.RT_SPAWNED_AT, "TORCHELASTIC_ERROR_FILE", E.RT_NODE, E.RT_NODE_INCARNATION,
+                       # where the store is: it moves when its host is lost (resilient_train.succession)
+                       E.MASTER_ADDR, E.MASTER_PORT, E.RT_STORE_EPOCH})
 
 
 def spare_env(worker_env: dict[str, str]) -> dict[str, str]:

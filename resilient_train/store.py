@@ -24,11 +24,13 @@ import torch.distributed as dist
 
 from resilient_train import env as E
 from resilient_train.env import WorkerEnv
+from resilient_train.succession.location import Endpoint, StoreLocation
+from resilient_train.succession.movable import MovableStore
 
 __all__ = [
     "Keys", "StoreTimeout", "attempt_store", "connect_worker_store", "current_generation", "declare_fault",
     "fail_join", "interrupt_generation", "job_store", "new_token", "read_fault", "read_stop", "report_fault",
-    "request_stop", "settle", "wait_until",
+    "request_stop", "scoped", "settle", "wait_until",
 ]
 
 
@@ -108,6 +110,11 @@ def job_store(store: dist.Store, token: str) -> dist.Store:
     return dist.PrefixStore(f"job-{token}", store)
 
 
+def scoped(store: dist.Store, prefix: str) -> dist.Store:
+    """``PrefixStore(prefix, store)``, but a store that moves stays one (a view of its own, with a ``clone``)."""
+    return store.scoped(prefix) if isinstance(store, MovableStore) else dist.PrefixStore(prefix, store)
+
+
 def attempt_store(store: dist.Store, attempt: int) -> dist.Store:
     """The keys of one launcher attempt (torchrun's restart count)."""
     return dist.PrefixStore(f"attempt/{attempt}", store)
@@ -115,6 +122,16 @@ def attempt_store(store: dist.Store, attempt: int) -> dist.Store:
 
 def connect_worker_store(env: WorkerEnv, *, timeout: timedelta) -> dist.Store:
     """The store a worker coordinates through, wherever it was launched."""
+    token = os.environ.get(E.RT_JOB_TOKEN) or os.environ.get(E.TORCHELASTIC_RUN_ID, "none")
+    attempt = int(os.environ.get(E.TORCHELASTIC_RESTART_COUNT, "0"))
+    if env.under_agent and os.environ.get(E.RT_STORE_FILE):
+        # Many nodes: the store may move to a successor (resilient_train.succession); every call ends by a
+        # deadline, and every connection follows a move this rank's agent announces (succession.follow).
+        location = StoreLocation(
+            Endpoint(env.master_addr, env.master_port, int(os.environ.get(E.RT_STORE_EPOCH, "0"))),
+            wrap=lambda raw: attempt_store(job_store(raw, token), attempt), timeout=timeout,
+            call_timeout_s=float(os.environ.get(E.RT_STORE_CALL_S, "5")))
+        return MovableStore(location)
     if env.under_agent or os.environ.get(E.TORCHELASTIC_USE_AGENT_STORE) == "True":
         store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
     elif E.MASTER_PORT not in os.environ:
@@ -126,9 +143,8 @@ def connect_worker_store(env: WorkerEnv, *, timeout: timedelta) -> dist.Store:
             env.master_addr, env.master_port, world_size=env.world_size, is_master=env.rank == 0,
             timeout=timeout, wait_for_workers=False,
         )
-    token = os.environ.get(E.RT_JOB_TOKEN) or os.environ.get(E.TORCHELASTIC_RUN_ID, "none")
     # A launcher that restarts every worker (torchrun) may keep its store: each attempt gets its own keys.
-    return attempt_store(job_store(store, token), int(os.environ.get(E.TORCHELASTIC_RESTART_COUNT, "0")))
+    return attempt_store(job_store(store, token), attempt)
 
 
 def current_generation(store: dist.Store) -> int:

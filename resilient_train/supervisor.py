@@ -12,6 +12,7 @@ replica. Optional parts (progress, chaos, disk checkpoints, host snapshots, CUPT
 from __future__ import annotations
 
 import os
+from functools import partial
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +32,7 @@ from resilient_train.context import StepContext, StepFn
 from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_before_run
 from resilient_train.disk import DEFAULT_TIMEOUT_S, DiskCheckpoints
 from resilient_train.errors import GenerationFailed, JobStopped, UsageError
-from resilient_train.fence import leave_if_cut_off
+from resilient_train.succession.follow import judge_following
 from resilient_train.finish import close_failed, end_run, finish_job
 from resilient_train.generation import Membership, ResumeSource, RunFinished
 from resilient_train.group import RELEASE_AT_EXIT_S, abort_nccl, backend_device, build_group, join_releases
@@ -174,11 +175,9 @@ class Supervisor:
                     self.recovery.say_woken_detection(None)
                     nxt = _S.DONE
                 except Exception as exc:  # noqa: BLE001  (every failure goes through the same judgement)
-                    try:
-                        nxt = self._judge(exc)
-                    except dist.DistNetworkError as lost:  # the judgement needs the store, and it is gone
-                        leave_if_cut_off(self.store)  # not on node 0: maybe cut off, already replaced (fence)
-                        self._store_lost, nxt = str(lost).splitlines()[0][:200], _S.FAILED
+                    # The judgement needs the store: when it is lost, it is made again on the next host, if any.
+                    nxt, self._store_lost, moved = judge_following(partial(self._judge, exc), self.store, self.env.rank)
+                    self.generation = -1 if moved else self.generation  # a generation gone with the store
                 self.lifecycle.to(nxt)
         finally:
             self.preemption.close()

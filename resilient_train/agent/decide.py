@@ -39,7 +39,7 @@ from typing import Mapping
 from resilient_train import exitcodes
 from resilient_train.agent.events import (
     AllSucceeded, ClaimNode, Decision, EnableSpares, End, Event, Fail, Fence, Fenced, Ignore, JobEnded, Kill,
-    KillDumped, Leave,
+    KillDumped, Leave, MoveStore, NoMajority,
     MarkSucceeded, MonitorStateDue, MonitorStateOffered, NodeAssigned, NodeLost, PeerStopping, RankHung, Replace,
     RestartAll, RunDirFailed, SaveMonitorState, ShutDown, Signalled, SpareDue, StacksDue, StartSpare, StopJob, StoreLost,
     SupervisedSeen, TakeNode, TakeOffer, WorkerExited,
@@ -58,6 +58,7 @@ class View:
     state: AgentState
     nnodes: int = 1
     hosting: bool = True  # node 0's agent: the store lives in this process
+    movable: bool = False  # another agent of a many-node job that knows the store's succession
     store_address: str = "127.0.0.1:0"
     pids: Mapping[int, int] = field(default_factory=dict)  # rank -> the pid of its running worker
     killing: frozenset[int] = frozenset()  # ranks already being killed (a hang, a straggler)
@@ -99,6 +100,8 @@ def decide(view: View, event: Event) -> Decision:
         return StartSpare()
     if isinstance(event, StoreLost):
         return _store_lost(view, event)
+    if isinstance(event, NoMajority):
+        return _no_majority(view, event)
     if isinstance(event, Fenced):
         # Declared lost after its ranks had finished (it was stopped at the end): it did its part.
         return Leave(exit_code=exitcodes.OK) if view.finished else Fence(how=event.how)
@@ -192,6 +195,8 @@ def _store_lost(view: View, e: StoreLost) -> Decision:
         return Fail(message=f"lost the store on {view.store_address} (this agent's own store failed): stopping; "
                     f"start the job again to resume from its newest checkpoint ({e.error[:120]})",
                     exit_code=exitcodes.FAILED)
+    if view.movable and view.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.WAITING_FOR_NODE):
+        return MoveStore(error=e.error)  # to the store's first successor alive (resilient_train.agent.succession)
     # Node 0's host gone and this node cut off look the same from here; cut off, the job may have declared this
     # node lost and given its ranks to a spare already: they must not run on (resilient_train.fence).
     line = (f"lost the store on {view.store_address} (node 0's agent is gone or does not answer, or this node is "
@@ -205,3 +210,18 @@ def _store_lost(view: View, e: StoreLost) -> Decision:
     if view.state in (AgentState.STARTING, AgentState.RUNNING):
         return Fence(how=how, line=line)
     return Fail(message=line, exit_code=exitcodes.FENCED)  # its end was under way: nothing left to kill first
+
+
+def _no_majority(view: View, e: NoMajority) -> Decision:
+    """No successor opened a store with a majority: this side may be the one cut off (fenced, 94); with the
+    host's process known dead, the job cannot go on here and stops to be resumed (75)."""
+    if e.host_dead:
+        return Fail(message=f"lost the store's host ({e.error[:120]}), and {e.reason}: stopping; start the job "
+                    "again to resume from its newest checkpoint", exit_code=exitcodes.REQUEUE)
+    line = (f"lost the store on {view.store_address} ({e.error[:120]}), and {e.reason}: this side of the job "
+            f"is fenced out (exit code {exitcodes.FENCED})")
+    if view.state is AgentState.WAITING_FOR_NODE:
+        return End(exit_code=exitcodes.FENCED, reason="fenced", line=line)
+    if view.state in (AgentState.STARTING, AgentState.RUNNING):
+        return Fence(how="no majority after the store's host was lost", line=line)
+    return Fail(message=line, exit_code=exitcodes.FENCED)

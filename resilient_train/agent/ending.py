@@ -30,7 +30,7 @@ STOP_GRACE_S = 5.0  # a rank stopped the job: the others leave on their own with
 
 class Ending:
     def __init__(self, config: AgentConfig, lifecycle: AgentLifecycle, *, workers: Workers, events: EventLog,
-                 say: Callable[[str], None], membership: Membership | None, hosting: bool) -> None:
+                 say: Callable[[str], None], membership: Membership | None, hosting: Callable[[], bool]) -> None:
         self.config, self.lifecycle, self.workers, self.events, self._say = config, lifecycle, workers, events, say
         self.membership, self.hosting = membership, hosting
         self.shutdown = self.new_shutdown()
@@ -99,6 +99,6 @@ class Ending:
             return
         self.lifecycle.to(AgentState.LEAVING)
         try:
-            self.membership.leave(store, hosting=self.hosting, until=until)
+            self.membership.leave(store, hosting=self.hosting(), until=until)
         except dist.DistError:  # node 0's agent closed the store after its wait: nothing left to tell
             pass

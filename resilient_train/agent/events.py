@@ -17,7 +17,7 @@ from resilient_train.restarts import Failure
 
 __all__ = [
     "AllSucceeded", "ClaimNode", "Decision", "EnableSpares", "End", "Event", "Fail", "Fence", "Fenced", "Ignore",
-    "JobEnded",
+    "JobEnded", "MoveStore", "NoMajority",
     "Kill", "KillDumped", "Leave", "MarkSucceeded", "MonitorStateDue", "MonitorStateOffered", "NodeAssigned",
     "NodeLost", "PeerStopping", "RankHung", "Replace", "RestartAll", "RunDirFailed", "SaveMonitorState", "ShutDown", "Signalled",
     "SpareDue", "StacksDue", "StartSpare", "StopJob", "StoreLost", "SupervisedSeen", "TakeNode", "TakeOffer",
@@ -108,6 +108,15 @@ class StoreLost:
 
 
 @dataclass(**_E)
+class NoMajority:
+    """The store's host was lost and no successor opened a store with a majority of the job's agents."""
+
+    error: str  # how the store was lost
+    reason: str  # why no store opened
+    host_dead: bool  # the host's port refused a connection: its process is gone (this side is not cut off)
+
+
+@dataclass(**_E)
 class Fenced:
     """This node was declared lost while its agent lived (it was stopped, or cut off): it is fenced out."""
 
@@ -146,7 +155,8 @@ class RunDirFailed:
 
 
 Event = Union[WorkerExited, RankHung, StacksDue, NodeLost, Signalled, PeerStopping, AllSucceeded, SupervisedSeen,
-              SpareDue, StoreLost, Fenced, NodeAssigned, JobEnded, MonitorStateDue, MonitorStateOffered, RunDirFailed]
+              SpareDue, StoreLost, NoMajority, Fenced, NodeAssigned, JobEnded, MonitorStateDue, MonitorStateOffered,
+              RunDirFailed]
 
 
 # --------------------------------------------------------------- decisions
@@ -228,6 +238,13 @@ class KillDumped:
 
 
 @dataclass(**_E)
+class MoveStore:
+    """The store's host is lost: move to its first successor alive, or open this agent's standby store."""
+
+    error: str
+
+
+@dataclass(**_E)
 class ClaimNode:
     """Claim the loss of ``node``'s ``incarnation``; the first claimer fails the generation and hands it on."""
 
@@ -290,4 +307,4 @@ class TakeNode:
 
 
 Decision = Union[Ignore, MarkSucceeded, StopJob, ShutDown, Replace, RestartAll, Fail, Kill, KillDumped, ClaimNode,
-                 Leave, End, Fence, EnableSpares, StartSpare, SaveMonitorState, TakeOffer, TakeNode]
+                 Leave, End, Fence, EnableSpares, StartSpare, SaveMonitorState, TakeOffer, TakeNode, MoveStore]

@@ -36,9 +36,11 @@ from resilient_train.agent.ending import Ending
 from resilient_train.agent.hangs import HangPolicy
 from resilient_train.agent.membership import Membership
 from resilient_train.agent.monitorstate import MonitorState
+from resilient_train.agent.move import announce_path, move_store, store_env
 from resilient_train.agent.recovery import Recovery
 from resilient_train.agent.rundirwatch import RunDirWatch
 from resilient_train.agent.signals import SignalTrap
+from resilient_train.agent.startwords import start_lines
 from resilient_train.agent.state import AgentError, AgentLifecycle, AgentState
 from resilient_train.agent.storehost import StoreHost
 from resilient_train.agent.workers import Workers, WorkerState
@@ -86,8 +88,10 @@ class Agent:
         self.hangs = HangPolicy(c.monitor, self.run_dir, events=self.events, say=self._say)
         self.persist = MonitorState(self.run_dir, every_s=c.monitor_state_every_s, events=self.events, say=self._say)
         self._watch_node(waiting=c.spare)
-        self.membership = Membership(c, events=self.events, say=self._say, token=self.host.token) if c.nnodes > 1 \
-            else None
+        self.membership = Membership(c, events=self.events, say=self._say, token=self.host.token,
+                                     succession=self.host.succession, endpoint=lambda: self.host.endpoint) \
+            if self.host.succession is not None else None
+        self._announce_to = announce_path(self.run_dir)  # where this node's ranks learn that the store moved
         self.workers = Workers(c, self.entry, run_dir=self.run_dir, events=self.events, console=self.console)
         self.recovery = Recovery(c, self.lifecycle, workers=self.workers, hangs=self.hangs, host=self.host,
                                  events=self.events, say=self._say,
@@ -97,7 +101,7 @@ class Agent:
         self.clock = PauseClock(on_pause=self._excuse)
         self.run_dir_watch = RunDirWatch(self.run_dir)
         self.ending = Ending(c, self.lifecycle, workers=self.workers, events=self.events, say=self._say,
-                             membership=self.membership, hosting=self.host.hosting)
+                             membership=self.membership, hosting=lambda: self.host.hosting)
 
     # ------------------------------------------------------------ the view
     @property
@@ -124,7 +128,9 @@ class Agent:
 
     def view(self) -> View:
         c = self.config
+        movable = not self.host.hosting and self.host.succession is not None and self.host.succession.known is not None
         return View(state=self.state, nnodes=c.nnodes, hosting=self.host.hosting, store_address=self.host.address,
+                    movable=movable,
                     pids={w.rank: w.proc.pid for w in self.workers},
                     killing=frozenset(w.rank for w in self.workers if w.cause is not None),
                     replacements=self.recovery.replacements, max_replacements=c.max_replacements,
@@ -138,7 +144,8 @@ class Agent:
         # Under Slurm: the job id and SLURM_RESTART_COUNT, so each start of a requeued job is told apart.
         self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=self.entry.target,
                          entry=self.entry.kind.value, args=c.script_args, **slurm_job(os.environ))
-        self._announce()
+        for line in start_lines(c, self.entry, omp_default=self.workers.omp_default, fd_warning=self.host.fd_warning):
+            self._say(line)
         if self._dashboard is not None:
             self._dashboard.start()
         if self.entry.mentions_runtime() and self.spares is not None:
@@ -168,7 +175,7 @@ class Agent:
         if self.config.spare:
             assert self.membership is not None
             self.lifecycle.to(AgentState.WAITING_FOR_NODE)
-            self.membership.wait_as_spare(self.store)
+            self.membership.wait_as_spare(self.store, self.host.connect)
         else:
             self._start_node()
 
@@ -214,7 +221,7 @@ class Agent:
         return [] if signum is None else [ev.PeerStopping(signum=signum, node=self.ending.shutdown.from_node)]
 
     def _poll_nodes(self) -> list[ev.NodeLost | ev.Fenced]:
-        return self.membership.poll(self.store) if self.membership is not None else []
+        return self.membership.poll(self.store, hosting=self.host.hosting) if self.membership is not None else []
 
     def _poll_assignment(self) -> list[ev.NodeAssigned | ev.JobEnded]:
         assert self.membership is not None
@@ -225,8 +232,7 @@ class Agent:
         """Spares are for Supervisor jobs: the first rank that registers with one starts the spare."""
         if self.spares is None or self.spares.enabled:
             return []
-        seen = any(self.store.check([Keys.supervised(w.rank)]) for w in self.workers)
-        return [ev.SupervisedSeen()] if seen else []
+        return [ev.SupervisedSeen()] if any(self.store.check([Keys.supervised(w.rank)]) for w in self.workers) else []
 
     def _poll_spares(self) -> list[ev.SpareDue]:
         if self.spares is None:
@@ -303,6 +309,11 @@ class Agent:
             self.persist.take_offer()
         elif isinstance(d, ev.TakeNode):
             self._take_node(d.node)
+        elif isinstance(d, ev.MoveStore) and self.membership is not None:
+            failed = move_store(d.error, host=self.host, membership=self.membership, path=self._announce_to,
+                                events=self.events, say=self._say, supervised=self.entry.mentions_runtime())
+            if failed is not None:
+                self._act(decide(self.view(), failed))
         else:
             raise AssertionError(f"no action for {d!r}")
 
@@ -338,9 +349,10 @@ class Agent:
 
     def _env(self, rank: int, generation: int, replacement: bool, error_file: Path | None) -> dict[str, str]:
         h, m = self.host, self.membership
-        # Many nodes: the rank's node and this agent's incarnation of it, which the rank's fence checks.
-        node = {E.RT_NODE: str(self.config.node_rank), E.RT_NODE_INCARNATION: str(m.incarnation)} \
-            if m is not None and m.incarnation > 0 else None
+        # Many nodes: where the store is now; the rank's node and this agent's incarnation of it (the fence).
+        node = store_env(h, self._announce_to, self.config.node_timeout_s) if m is not None else {}
+        node.update({E.RT_NODE: str(self.config.node_rank), E.RT_NODE_INCARNATION: str(m.incarnation)}
+                    if m is not None and m.incarnation > 0 else {})
         return self.workers.env(rank, generation, replacement=replacement, port=h.port, token=h.token,
                                 attempt=h.attempt, error_file=error_file, extra=node)
 
@@ -373,17 +385,6 @@ class Agent:
         where = str(self.workers.log_dir / "attempt_N" / "LOCAL_RANK" / f"{name}.log")
         self.events.emit("console_closed", stream=name, output=where)
         self._say(f"{name} is closed (its reader exited): the job goes on; the ranks' {name} goes to {where}")
-
-    def _announce(self) -> None:
-        """What a torchrun user should know before the job starts, once."""
-        c = self.config
-        if self.workers.omp_default:
-            self._say("OMP_NUM_THREADS is set to 1 for each worker, as torchrun does (set it to tune)")
-        if self.host.fd_warning is not None:
-            self._say(self.host.fd_warning)
-        if c.monitor.hang.enabled and not self.entry.mentions_runtime():
-            self._say(f"hang detection is off for {Path(self.entry.target).name}: its ranks report no progress "
-                      "(call resilient_train.heartbeat() once a step to turn it on)")
 
     def close(self) -> None:
         if self.membership is not None:

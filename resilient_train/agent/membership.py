@@ -22,15 +22,16 @@ from resilient_train.agent.boundedstore import call_timeout_s
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.events import Fenced, JobEnded, NodeAssigned, NodeLost
 from resilient_train.fence import FENCE_WAIT_S
-from resilient_train.nodes import (
-    Heartbeat, NodeKeys, NodeWatch, assign_spare, claim_loss, register_node, register_spare,
-)
+from resilient_train.nodes import Heartbeat, NodeKeys, assign_spare, claim_loss, register_node, register_spare
 from resilient_train import exitcodes
 from resilient_train.agent.liveness import LivenessClient, LivenessServer
+from resilient_train.agent.succession import MOVED_CLAIM, AgentSuccession, Moved
+from resilient_train.succession.protocol import Keys as SuccessionKeys
 from resilient_train.agent.width import BelowMinimum, grow, is_member, shrink, start_members, wait_for_start
 from resilient_train.elastic.members import members_of
 from resilient_train.rendezvous import interrupt_for_stop
 from resilient_train.store import Keys, current_generation, declare_fault, read_stop, request_stop
+from resilient_train.succession.location import Endpoint
 
 __all__ = ["Membership", "fence_wait_s"]
 
@@ -51,15 +52,17 @@ def fence_wait_s(node_timeout_s: float) -> float:
 class Membership:
     """One agent of a many-node job (``config.nnodes > 1``)."""
 
-    def __init__(self, config: AgentConfig, *, events: EventLog, say: Callable[[str], None], token: str = "") -> None:
+    def __init__(self, config: AgentConfig, *, events: EventLog, say: Callable[[str], None], token: str = "",
+                 succession: AgentSuccession, endpoint: Callable[[], Endpoint]) -> None:
         assert config.nnodes > 1
         self.config, self.events, self._say = config, events, say
         self._token = token  # the job's secret: the liveness connection's proof (resilient_train.agent.liveness)
+        self.succession = succession  # the store's successors, the host's census (resilient_train.agent.succession)
+        self._endpoint = endpoint  # where the store is now
         self._liveness: LivenessServer | LivenessClient | None = None
         self.incarnation = 0
         self.spare_index: int | None = None
         self._heartbeat: Heartbeat | None = None
-        self._watch: NodeWatch | None = None
         self._handled: set[tuple[int, int]] = set()
         self._looked_at = 0.0
         self._fence_checked_at = 0.0
@@ -94,12 +97,19 @@ class Membership:
         ran before (the node comes back, or a spare takes it): they start as replacements."""
         c = self.config
         self.incarnation = register_node(store, c.node_rank)
-        self._heartbeat = Heartbeat(connect, c.node_rank, self.incarnation)
-        if c.node_rank == 0 and not c.spare:  # node 0's agent hosts the store: it sees the others die at once
-            self._liveness = LivenessServer(store, self._token, c.master_addr)
-        else:
-            self._liveness = LivenessClient(store, self._token, c.master_addr, c.node_rank, self.incarnation)
-        self._watch = NodeWatch(store, c.node_rank, c.nnodes, c.node_timeout_s)
+        hosting = c.node_rank == 0 and not c.spare  # node 0's agent hosts the store: it sees the others die at once
+        here = self._endpoint()
+        if self.succession.entry is None:
+            self.succession.register(store, addr=here.addr, port=here.port, node=c.node_rank,
+                                     incarnation=self.incarnation, spare=None)
+        else:  # a spare agent takes this node over: its entry says so
+            self.succession.take_node(store, c.node_rank, self.incarnation)
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+        entry = self.succession.entry
+        assert entry is not None
+        self._heartbeat = Heartbeat(connect, c.node_rank, self.incarnation, also=(SuccessionKeys.beat(entry.index),))
+        self._listen(store, hosting=hosting)
         returning = (self.incarnation > 1 or c.spare) and store.check([Keys.supervised(c.first_rank)])
         self.events.emit("node_started", node=c.node_rank, incarnation=self.incarnation, returning=returning)
         if self.incarnation > 1:
@@ -117,6 +127,12 @@ class Membership:
             declare_fault(store, current_generation(store), {
                 "rank": c.first_rank, "kind": "node_lost", "node": c.node_rank, "time": time.time()},
                 world_size=c.world_size)
+        if store.get(NodeKeys.lost(c.node_rank, previous)).decode().startswith(MOVED_CLAIM):
+            # Lost with the store it hosted: its ranks can only reach the store through that agent's word (they
+            # follow their own agent: resilient_train.succession.follow), which never comes. Nothing to wait for.
+            self.events.emit("node_fenced", node=c.node_rank, incarnation=previous, left=[], missing=list(c.ranks()),
+                             waited_s=0.0, store_moved=True)
+            return
         keys = {r: NodeKeys.fenced(c.node_rank, previous, r) for r in c.ranks()}
         started = time.monotonic()
         deadline = started + fence_wait_s(c.node_timeout_s)
@@ -134,54 +150,111 @@ class Membership:
                       f"within {deadline - started:g} s (gone with their host, or frozen): they cannot join; "
                       "starting the replacements")
 
-    def poll(self, store: dist.Store) -> list[NodeLost | Fenced]:
-        """The watched nodes that went silent, each incarnation once; this node itself, declared lost while
-        this agent was stopped (or cut off)."""
-        if self._watch is None:
-            return []
+    def _listen(self, store: dist.Store, *, hosting: bool) -> None:
+        """The liveness connections: the host listens, every other node's agent connects to it."""
+        if self._liveness is not None:
+            self._liveness.close()
+        here = self._endpoint()
+        if hosting:
+            self._liveness = LivenessServer(store, self._token, here.addr)
+        else:
+            self._liveness = LivenessClient(store, self._token, here.addr, self.config.node_rank, self.incarnation)
+
+    def poll(self, store: dist.Store, *, hosting: bool) -> list[NodeLost | Fenced]:
+        """(Every agent) its own node declared lost while this agent was stopped or cut off; (the store's host)
+        the nodes whose agents went silent (its census) or whose liveness connection ended, each incarnation
+        once, unless the agents left without them are no majority: then the host is the one cut off."""
+        c = self.config
         now = time.monotonic()
-        if self.config.node_rank != 0 and now - self._fence_checked_at >= _FENCE_CHECK_EVERY_S:
+        if not hosting and self.incarnation > 0 and now - self._fence_checked_at >= _FENCE_CHECK_EVERY_S:
             self._fence_checked_at = now
-            if store.check([NodeKeys.lost(self.config.node_rank, self.incarnation)]):
-                return [Fenced(how=f"no beat for {self.config.node_timeout_s:g} s: its agent was stopped or cut "
-                                   "off")]
-        lost: list[NodeLost | Fenced] = []
+            if store.check([NodeKeys.lost(c.node_rank, self.incarnation)]):
+                return [Fenced(how=f"no beat for {c.node_timeout_s:g} s: its agent was stopped or cut off")]
+        absent = self.succession.poll(store, hosting=hosting, elastic=c.elastic)
+        if not hosting:
+            return []
+        for e in absent:
+            if e.node is None and e.spare is not None:  # a waiting spare that went silent is never handed a node
+                store.compare_set(NodeKeys.spare(e.spare), "", "gone")
         died = self._liveness.lost() if isinstance(self._liveness, LivenessServer) else []
-        for node, incarnation in [*died, *self._watch.poll()]:
-            # Node 0 is never claimed: its loss is the store's, which every agent learns from its own calls
-            # (fencing a node 0 that was only slow to beat would end the job).
-            if node == 0 or (node, incarnation) in self._handled:
+        lost: list[NodeLost | Fenced] = []
+        for node, incarnation in [*died, *((e.node, e.incarnation) for e in absent if e.node is not None)]:
+            if node == c.node_rank or (node, incarnation) in self._handled:
                 continue
             self._handled.add((node, incarnation))
             # A node that finished (or stopped) and left is silent by then: not a loss (this node's ranks may
             # take a while longer to leave, releasing a group whose peer was cut off).
-            if not store.check([NodeKeys.done(node)]):
-                lost.append(NodeLost(node=node, incarnation=incarnation))
+            if store.check([NodeKeys.done(node)]):
+                continue
+            if not self.succession.allows_loss(self.succession.index_of_node(node)):
+                present = self.succession.census.present() if self.succession.census else set()
+                return [Fenced(how=f"node {node} went silent, and so did most of the job: only {len(present)} of "
+                                   f"the {len(self.succession.census.voters) if self.succession.census else 0} agents "
+                                   "still beat here, no majority; this side of a partition stops")]
+            lost.append(NodeLost(node=node, incarnation=incarnation))
         return lost
 
     def excuse(self, now: float) -> None:
-        """This agent was paused until ``now``: the other nodes' beats it did not see are no loss."""
-        if self._watch is not None:
-            self._watch.excuse(now)
+        """This agent was paused until ``now``: the other agents' beats it did not see are no loss."""
+        if self.succession.census is not None:
+            self.succession.census.excuse(now)
 
     def handle_loss(self, store: dist.Store, node: int, incarnation: int) -> None:
         """The first agent to claim the loss fails the generation and hands the node to a waiting spare."""
+        if claim_loss(store, node, incarnation, by=self.config.node_rank):
+            self._hand_on(store, node, incarnation, moved=False)
+
+    def _hand_on(self, store: dist.Store, node: int, incarnation: int, *, moved: bool) -> None:
+        """A claimed loss: the generation fails; the node goes to a spare, or an elastic job's survivors take its
+        logical ranks; ``moved``: the node's agent hosted the store that moved here (nobody can start it again
+        with the same command: with neither a spare nor an elastic width, the job stops to be resumed)."""
         c = self.config
-        if not claim_loss(store, node, incarnation, by=c.node_rank):
-            return  # another agent handles it
         g = current_generation(store)
         declare_fault(store, g, {"rank": node * c.nproc_per_node, "kind": "node_lost", "node": node,
                                  "time": time.time()}, world_size=c.world_size)
         spare = assign_spare(store, node)
         self.events.emit("node_lost", node=node, incarnation=incarnation, generation=g, spare=spare,
-                         timeout_s=c.node_timeout_s)
+                         timeout_s=c.node_timeout_s, store_host=moved)
+        why = "its agent hosted the store" if moved else f"no beat for {c.node_timeout_s:g} s"
         if spare is not None:
-            self._say(f"node {node} lost (no beat for {c.node_timeout_s:g} s): handed to spare node agent {spare}")
+            self._say(f"node {node} lost ({why}): handed to spare node agent {spare}")
         elif c.elastic:
             self._shrink(store, node)
+        elif moved:
+            self._stop(store, f"node {node} lost ({why}) with no spare node and a fixed width: stopping; start the "
+                              "job again to resume from its newest checkpoint")
         else:
-            self._say(f"node {node} lost (no beat for {c.node_timeout_s:g} s) and no spare node: its ranks' "
+            self._say(f"node {node} lost ({why}) and no spare node: its ranks' "
                       "peers wait for it to come back (their join timeout), then the job stops")
+
+    def after_move(self, store: dist.Store, moved: Moved, *, supervised: bool) -> None:
+        """The store moved: this node registered again in it (the same incarnation), its liveness connection
+        to the new host; the new host hands on the nodes lost with the last one (and marks their ranks as
+        having run, so that a spare starts them as replacements)."""
+        c = self.config
+        if self.incarnation > 0:
+            key = NodeKeys.incarnation(c.node_rank)
+            store.add(key, self.incarnation - int(store.add(key, 0)))
+            store.add(NodeKeys.beat(c.node_rank, self.incarnation), 1)
+            self._listen(store, hosting=moved.hosting)
+        self._handled.clear()
+        if not moved.hosting:
+            return
+        for gone in (moved.previous_host, *moved.lost):
+            if gone.node is None:
+                continue
+            if supervised:
+                for r in range(gone.node * c.nproc_per_node, (gone.node + 1) * c.nproc_per_node):
+                    store.set(Keys.supervised(r), "moved")
+            self._handled.add((gone.node, gone.incarnation))
+            self._hand_on(store, gone.node, gone.incarnation, moved=True)
+
+    def _stop(self, store: dist.Store, reason: str) -> None:
+        """Stops the job with 75 (every rank reads it at its next join; every agent from its ranks)."""
+        request_stop(store, {"rank": -1, "summary": reason, "exit_code": exitcodes.REQUEUE, "step": -1,
+                             "generation": current_generation(store)})
+        interrupt_for_stop(store, world_size=self.config.world_size)
+        self._say(reason)
 
     def _shrink(self, store: dist.Store, node: int) -> None:
         """An elastic job loses a node and no spare waits: the survivors take its logical ranks (below MIN
@@ -224,7 +297,7 @@ class Membership:
                 # A node whose agent went silent meanwhile will never say it is done: not waited for (its ranks
                 # are fenced: its incarnation's loss key says so, or this agent's own watch of its beat).
                 looked_at = time.monotonic()
-                silent = {n for n, _ in self._watch.poll()} if self._watch is not None else set()
+                silent = {e.node for e in self.succession.poll(store, hosting=True, elastic=False) if e.node is not None}
                 lost |= {n for n in pending if n in silent or self._current_lost(store, n)}
                 pending = [n for n in pending if n not in lost]
             time.sleep(0.05)
@@ -240,8 +313,12 @@ class Membership:
         return incarnation > 0 and bool(store.check([NodeKeys.lost(node, incarnation)]))
 
     # ------------------------------------------------------ a spare's wait
-    def wait_as_spare(self, store: dist.Store) -> int:
+    def wait_as_spare(self, store: dist.Store, connect: Callable[[], dist.Store]) -> int:
         index = self.spare_index = register_spare(store)
+        here = self._endpoint()
+        entry = self.succession.register(store, addr=here.addr, port=here.port, node=None, incarnation=0, spare=index)
+        # A spare votes for the store's next host too: it beats under its entry (resilient_train.succession).
+        self._heartbeat = Heartbeat(connect, None, 0, also=(SuccessionKeys.beat(entry.index),))
         self.events.emit("spare_waiting", spare=index)
         self._say(f"spare node agent {index}: waiting for a node to replace")
         return index
@@ -249,6 +326,7 @@ class Membership:
     def poll_assignment(self, store: dist.Store, *, stopping: Callable[[], bool]) -> list[NodeAssigned | JobEnded]:
         """A waiting spare: the node handed to it, or the job's end without it (its final state, a rank's stop,
         another node's signal: ``stopping()``)."""
+        self.succession.poll(store, hosting=False, elastic=self.config.elastic)  # where the store would move
         now = time.monotonic()
         if now - self._looked_at < _ASSIGNMENT_EVERY_S:
             return []

@@ -22,11 +22,14 @@ import torch.distributed as dist
 
 from resilient_train import env as E
 from resilient_train import fdlimit
-from resilient_train.agent.boundedstore import BoundedStore, call_timeout_s
+from resilient_train.agent.boundedstore import call_timeout_s
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.state import AgentError
+from resilient_train.agent.succession import AgentSuccession
 from resilient_train.jobtoken import check_fingerprint, publish_fingerprint, shared_token
 from resilient_train.store import Keys, attempt_store, job_store, new_token
+from resilient_train.succession.location import Endpoint, StoreLocation
+from resilient_train.succession.movable import MovableStore
 
 __all__ = ["StoreHost", "job_token"]
 
@@ -43,35 +46,69 @@ class StoreHost:
         self.token, self.token_source = job_token(config)
         self._server: dist.Store | None = None  # the server (hosting) or this agent's first client connection
         self.fd_warning: str | None = None  # the open-file limit is short of the job's connections (fdlimit)
+        self.location: StoreLocation | None = None  # another node's agent: where the store is now
+        # Many nodes: every agent keeps a standby store and its place in the succession (agent.succession).
+        self.succession: AgentSuccession | None = None
         if self.hosting:
             self.fd_warning = fdlimit.raise_for_store(config.nnodes * config.nproc_per_node)
             self.store = self._host(config.master_port)
             self.port: int = self._server.port  # type: ignore[union-attr]  (every attempt keeps it)
         else:
             self.port = config.master_port
-            client = self.connect()
+            try:
+                client = dist.TCPStore(config.master_addr, self.port, is_master=False, timeout=STORE_TIMEOUT)
+            except (RuntimeError, OSError) as e:
+                raise AgentError(f"cannot reach the store on {config.master_addr}:{config.master_port} (node 0's "
+                                 f"agent): {str(e).splitlines()[0]}") from None
             try:  # the same secret as node 0's, or nothing this node writes would be read
-                check_fingerprint(self._server, self.token, source=self.token_source)  # type: ignore[arg-type]
+                check_fingerprint(client, self.token, source=self.token_source)
             except ValueError as e:
                 raise AgentError(str(e)) from None
-            # Node 0's agent may stop answering without closing the connection: every call ends by a deadline.
-            self.store = BoundedStore(client, timeout_s=call_timeout_s(config.node_timeout_s))  # type: ignore[assignment]
+            del client
+            # Node 0's agent may stop answering without closing the connection: every call ends by a deadline;
+            # and the store may move to a successor (resilient_train.agent.succession): every connection follows.
+            self.location = StoreLocation(Endpoint(config.master_addr, self.port), wrap=self.wrap,
+                                          timeout=STORE_TIMEOUT, call_timeout_s=call_timeout_s(config.node_timeout_s))
+            self.store = MovableStore(self.location)  # type: ignore[assignment]
+        if config.nnodes > 1:
+            self.succession = AgentSuccession(master_addr=config.master_addr, token=self.token,
+                                              node_timeout_s=config.node_timeout_s, hosting=self.hosting,
+                                              wrap=self.wrap, source=self.token_source)
 
     @property
     def address(self) -> str:
+        if self.location is not None:
+            return str(self.location.endpoint)
         return f"{self.config.master_addr}:{self.port}"
 
+    @property
+    def endpoint(self) -> Endpoint:
+        """Where the store is now (what a rank spawned now connects to)."""
+        if self.location is not None:
+            return self.location.endpoint
+        return Endpoint(self.config.master_addr, self.port)
+
+    def wrap(self, raw: dist.Store) -> dist.Store:
+        """The job's keys on a raw store: its secret namespace, this attempt's."""
+        return attempt_store(job_store(raw, self.token), self.attempt)
+
+    def moved(self, endpoint: Endpoint, *, hosting: bool) -> None:
+        """The store moved to ``endpoint`` (this agent's own standby store when ``hosting``)."""
+        assert self.location is not None
+        self.location.move(endpoint)
+        self.hosting = hosting
+
     def connect(self) -> dist.Store:
-        """A client of node 0's store, in the job's namespace (another node's agent; a heartbeat's own)."""
+        """A connection of its own to the store, in the job's namespace (a heartbeat's)."""
+        if self.location is not None:
+            return MovableStore(self.location)
         c = self.config
         try:
             store = dist.TCPStore(c.master_addr, self.port, is_master=False, timeout=STORE_TIMEOUT)
         except (RuntimeError, OSError) as e:
             raise AgentError(f"cannot reach the store on {c.master_addr}:{c.master_port} (node 0's agent): "
                              f"{str(e).splitlines()[0]}") from None
-        if self._server is None:
-            self._server = store
-        return attempt_store(job_store(store, self.token), self.attempt)
+        return self.wrap(store)
 
     def rehost(self) -> dist.Store:
         """The next attempt's store, on the same port (the old server is closed first); returns it."""
@@ -84,8 +121,6 @@ class StoreHost:
         return self.store
 
     def close(self) -> None:
-        if isinstance(self.store, BoundedStore):
-            self.store.close()
         self.store = self._server = None  # type: ignore[assignment]
 
     def _host(self, port: int) -> dist.Store:
