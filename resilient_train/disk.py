@@ -84,6 +84,10 @@ class DiskCheckpoints:
             first_replica=first_replica,
         )
 
+    def _lead(self) -> bool:
+        """This rank speaks for the job (rank 0; an elastic job's lowest member: rank 0 may be gone)."""
+        return (self._width().group_rank(self.rank) if self._width is not None else self.rank) == 0
+
     def on_generation(self, store: dist.Store, generation: int) -> None:
         # Saves of a failed generation never mix their reports with the next one's.
         # A save that loses a rank fails at once for the others: the generation was declared failed.
@@ -126,7 +130,7 @@ class DiskCheckpoints:
         if self._store is not None:
             check_fence(self._store, "checkpoint")  # a lost node's rank writes nothing (resilient_train.fence)
         extras: dict[str, Any] = {FORM_KEY: DCP_FORM} if self.sharded else {}
-        if self.rank == 0 and self.run_dir is not None:  # rank 0 writes the manifest
+        if self._lead() and self.run_dir is not None:  # rank 0 writes the manifest
             monitors = read_monitor_state(self.run_dir)
             if monitors is not None:
                 extras[CHECKPOINT_EXTRAS_KEY] = monitors
@@ -156,7 +160,7 @@ class DiskCheckpoints:
         holds step 30): every rank raises the same :class:`WrongInput` before loading anything (exit code 2).
         """
         key = Keys.gen_scope(generation, "disk_step")
-        if self.rank == 0:
+        if self._lead():
             latest = self._manager.latest_step(verify=True)  # the newest whose checksums verify
             store.set(key, "" if latest is None else str(latest))
         else:
@@ -174,7 +178,7 @@ class DiskCheckpoints:
         except NoCheckpointError:
             raise RuntimeError(f"checkpoint step {chosen} chosen by rank 0 does not verify on rank {self.rank}") from None
         monitors = manifest.extras.get(CHECKPOINT_EXTRAS_KEY)
-        if self.rank == 0 and self.run_dir is not None and isinstance(monitors, dict):
+        if self._lead() and self.run_dir is not None and isinstance(monitors, dict):
             try:
                 offer_from_checkpoint(self.run_dir, monitors, step=int(chosen))
             except OSError as e:  # the monitors' timeouts are a convenience: never fail the load for them

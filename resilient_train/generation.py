@@ -240,7 +240,8 @@ def join_generation(
         generation = None
         member = me()
         store.set(Keys.member(g, member.rank), member.to_json())  # a set has no reply: nothing to wait for
-        if member.rank == PLANNER:
+        # An elastic generation's planner is its lowest member (slot 0's node may be gone: resilient_train.elastic).
+        if member.rank == (min(members_of(store, g, world_size)) if elastic else PLANNER):
             _plan(store, g, world_size, deadline, elastic=elastic)
         settled = _outcome(store, g, deadline)
         if settled is None:

@@ -292,7 +292,7 @@ class Supervisor:
             self.stepper.end_boundary()
             self.parts.on_step_end(state)
             self._publish_grace()  # a save that took longer grows the default grace
-            if self.env.rank == 0:
+            if self.stepper.width.group_rank(self.env.rank) == 0:  # rank 0, or an elastic job's lowest member
                 self.events.emit("step_done", step=state.step, loss=self.stepper.loss.value(), generation=self.generation)
             if self.stepper.gate.stop_agreed and state.step < self.config.steps:
                 return _S.PREEMPTING  # every rank read the same stop flag with this step's vote
@@ -319,15 +319,17 @@ class Supervisor:
 
     def _publish_grace(self) -> float:
         """This rank's preemption grace, in the store for its agent whenever it changes."""
-        disk = self.disk
-        return self.preemption.publish_grace(self.store, self.env.rank, disk.longest_save_s if disk else 0.0,
-                                             disk.config.timeout_s if disk is not None else DEFAULT_TIMEOUT_S)
+        d = self.disk
+        return self.preemption.publish_grace(self.store, self.env.rank, d.longest_save_s if d else 0.0,
+                                             d.config.timeout_s if d is not None else DEFAULT_TIMEOUT_S)
 
     def _finish(self) -> SupervisorState:
         self.stepper.enter("checkpoint", self.state.step)  # waiting for every rank, then for the final state
-        finish_job(self.store, self.state, generation=self.generation, rank=self.env.rank,
-                   world_size=self.stepper.width.size, logical_ranks=self.env.world_size, moved=self._watcher.moved, timeout=self.config.join_timeout_s,
-                   steps=self.config.steps, run_dir=self.run_dir if self.config.write_final else None,
+        width = self.stepper.width  # the final state's writer: rank 0, or an elastic job's lowest member
+        finish_job(self.store, self.state, generation=self.generation, rank=width.group_rank(self.env.rank),
+                   world_size=width.size, logical_ranks=self.env.world_size, moved=self._watcher.moved,
+                   timeout=self.config.join_timeout_s, steps=self.config.steps,
+                   run_dir=self.run_dir if self.config.write_final else None,
                    events=self.events, sharded=self._sharded.module if self._sharded is not None else None,
                    suspended=self.stepper.gate.suspended)
         return _S.DONE
@@ -394,6 +396,5 @@ class Supervisor:
     def _on_moved(self) -> None:
         """Watcher thread: the generation was declared failed; release the main thread from its collectives."""
         self.stepper.abort_reductions(f"generation {self.generation} was declared failed")
-        # NCCL can be aborted from another thread; gloo cannot, and relies on the dead peer's closed sockets.
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # NCCL can be aborted from another thread; gloo relies on closed sockets
             abort_nccl()

@@ -28,6 +28,10 @@ class PauseClock:
         self._last: float | None = None
         self.paused_s = 0.0  # in all, for the record
 
+    def restart(self) -> None:
+        """The agent was busy on purpose until now (a blocking step of its own): the next look starts afresh."""
+        self._last = None
+
     def tick(self, now: float | None = None) -> float | None:
         """One look; the seconds since the previous one when they make a pause, else None."""
         now = time.monotonic() if now is None else now

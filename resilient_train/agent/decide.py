@@ -104,7 +104,7 @@ def decide(view: View, event: Event) -> Decision:
         return _no_majority(view, event)
     if isinstance(event, Fenced):
         # Declared lost after its ranks had finished (it was stopped at the end): it did its part.
-        return Leave(exit_code=exitcodes.OK) if view.finished else Fence(how=event.how)
+        return Leave(exit_code=exitcodes.OK) if view.finished else Fence(how=event.how, line=event.line)
     if isinstance(event, NodeAssigned):
         return TakeNode(node=event.node)
     if isinstance(event, JobEnded):

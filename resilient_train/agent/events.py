@@ -118,9 +118,11 @@ class NoMajority:
 
 @dataclass(**_E)
 class Fenced:
-    """This node was declared lost while its agent lived (it was stopped, or cut off): it is fenced out."""
+    """This node was declared lost while its agent lived (it was stopped, or cut off): it is fenced out; or, the
+    store's host, it finds most of the job gone silent (``line`` says so)."""
 
     how: str
+    line: str | None = None
 
 
 @dataclass(**_E)

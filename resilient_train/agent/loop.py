@@ -213,7 +213,8 @@ class Agent:
         return [self.signals.poll, self.run_dir_watch.poll, self._poll_peers,
                 lambda: self.workers.poll(self.store, self.hangs.step_of),
                 lambda: self.hangs.poll(list(self.workers)), self.persist.poll, self._poll_nodes,
-                self._poll_supervised, self._poll_spares, self._poll_done]
+                self._poll_supervised, self._poll_spares,
+                lambda: [ev.AllSucceeded()] if self.workers.all_succeeded() else []]
 
     # ------------------------------------------------------------- pollers
     def _poll_peers(self) -> list[ev.PeerStopping]:
@@ -239,9 +240,6 @@ class Agent:
             return []
         self.spares.note()
         return [ev.SpareDue()] if self.spares.due() else []
-
-    def _poll_done(self) -> list[ev.AllSucceeded]:
-        return [ev.AllSucceeded()] if self.workers.all_succeeded() else []
 
     # ------------------------------------------------------------- acting
     def _act(self, d: ev.Decision) -> None:
@@ -312,6 +310,7 @@ class Agent:
         elif isinstance(d, ev.MoveStore) and self.membership is not None:
             failed = move_store(d.error, host=self.host, membership=self.membership, path=self._announce_to,
                                 events=self.events, say=self._say, supervised=self.entry.mentions_runtime())
+            self.clock.restart()  # the move's wait was no pause of this agent
             if failed is not None:
                 self._act(decide(self.view(), failed))
         else:

@@ -187,10 +187,12 @@ class Membership:
             if store.check([NodeKeys.done(node)]):
                 continue
             if not self.succession.allows_loss(self.succession.index_of_node(node)):
-                present = self.succession.census.present() if self.succession.census else set()
-                return [Fenced(how=f"node {node} went silent, and so did most of the job: only {len(present)} of "
-                                   f"the {len(self.succession.census.voters) if self.succession.census else 0} agents "
-                                   "still beat here, no majority; this side of a partition stops")]
+                census = self.succession.census
+                here, voters = (len(census.present()), len(census.voters)) if census is not None else (1, 0)
+                line = (f"node {node} and most of the job went silent: {here} of the {voters} agents beat here, no "
+                        "majority; this node (the store's host) is the one cut off, or stopped: the others move the "
+                        f"store on without it, and its ranks are fenced out (exit code {exitcodes.FENCED})")
+                return [Fenced(how="the store's host in a minority", line=line)]
             lost.append(NodeLost(node=node, incarnation=incarnation))
         return lost
 
@@ -297,7 +299,8 @@ class Membership:
                 # A node whose agent went silent meanwhile will never say it is done: not waited for (its ranks
                 # are fenced: its incarnation's loss key says so, or this agent's own watch of its beat).
                 looked_at = time.monotonic()
-                silent = {e.node for e in self.succession.poll(store, hosting=True, elastic=False) if e.node is not None}
+                absent = self.succession.poll(store, hosting=True, elastic=False)
+                silent = {e.node for e in absent if e.node is not None}
                 lost |= {n for n in pending if n in silent or self._current_lost(store, n)}
                 pending = [n for n in pending if n not in lost]
             time.sleep(0.05)

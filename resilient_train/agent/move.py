@@ -45,7 +45,7 @@ def move_store(error: str, *, host: StoreHost, membership: Membership, path: Pat
     """Moves this agent to the store's next host; the event to decide when no store opened."""
     assert host.succession is not None
     known = host.succession.known
-    say(f"lost the store on {host.address} ({error[:120]}): looking for its successor")
+    lost_at = host.address
     result = host.succession.move()
     if isinstance(result, NotMoved):
         events.emit("store_move_failed", reason=result.reason, host_dead=result.host_dead, error=error[:300])
@@ -58,8 +58,9 @@ def move_store(error: str, *, host: StoreHost, membership: Membership, path: Pat
     events.emit("store_moved", epoch=result.endpoint.epoch, endpoint=str(result.endpoint), hosting=result.hosting,
                 previous_host=previous, present=list(result.present), voters=list(result.voters),
                 waited_s=round(result.waited_s, 3), lost=[e.name for e in result.lost])
-    say(f"the store moved to {new_host} ({result.endpoint}, epoch {result.endpoint.epoch}): {len(result.present)} "
-        f"of the {len(result.voters)} agents of the last generation came ({previous} is lost); the job goes on")
+    say(f"lost the store on {lost_at} ({previous}: {error[:80]}); it moved to {new_host} ({result.endpoint}, epoch "
+        f"{result.endpoint.epoch}) with {len(result.present)} of the {len(result.voters)} agents of the last "
+        "generation: the job goes on")
     return None
 
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from resilient_train.agent.boundedstore import call_timeout_s
 from resilient_train.agent.glooif import source_address
+from resilient_train.elastic.members import members_key, read_members
 from resilient_train.jobtoken import check_fingerprint, publish_fingerprint
 from resilient_train.nodes import NodeKeys
 from resilient_train.store import Keys as StoreKeys
@@ -55,7 +56,6 @@ PROBE_S = 1.0  # a successor whose port takes no connection within this is not a
 JOIN_GRACE_S = 1.0  # once a majority came, how long the new host waits for the rest of the last generation
 _LOOK_EVERY_S = 1.0
 _POLL_S = 0.05
-_ELASTIC_MEMBERS = "rt/width/members/{g}"
 MOVED_CLAIM = "moved"  # the loss claim of a node lost with the store it hosted (its ranks can never come back)
 
 
@@ -145,16 +145,15 @@ class AgentSuccession:
         g = current_generation(store)
         self.generation_seen = max(self.generation_seen, g)
         if elastic:
-            raw = store.get(_ELASTIC_MEMBERS.format(g=g)) if store.check([_ELASTIC_MEMBERS.format(g=g)]) else None
-            if raw is not None:
-                self.members_seen = [int(x) for x in json.loads(raw)]
+            self.members_seen = read_members(store, g) or self.members_seen
         if not hosting:
             if store.check([Keys.LIST]):
                 self.known = Succession.from_json(store.get(Keys.LIST))
             return []
         live = self._live(store)
         epoch = int(store.get(Keys.EPOCH)) if store.check([Keys.EPOCH]) else 0
-        self.known = Succession(epoch=epoch, host=self.entry, agents=tuple(e for e in live if e.index != self.entry.index))
+        others = tuple(e for e in live if e.index != self.entry.index)
+        self.known = Succession(epoch=epoch, host=self.entry, agents=others)
         text = self.known.to_json()
         if text != self._written:
             store.set(Keys.LIST, text)
@@ -172,7 +171,7 @@ class AgentSuccession:
                     continue
                 if int(store.add(NodeKeys.incarnation(e.node), 0)) != e.incarnation:
                     continue
-            elif e.spare is not None and store.get(f"rt/spare/{e.spare}/node").decode() not in ("",):
+            elif e.spare is not None and store.get(NodeKeys.spare(e.spare)).decode() not in ("",):
                 continue  # a spare handed a node registers again as that node (take_node), or is gone
             out[e.order()] = e
         return [out[k] for k in sorted(out)]
@@ -252,10 +251,10 @@ class AgentSuccession:
                 since = since if since is not None else now
                 if present >= expected or now - since >= JOIN_GRACE_S:
                     break
-            if now >= deadline:
+            if now >= deadline or present >= expected:  # every agent but the lost host came: no more will
                 return NotMoved(f"only {len(present)} of the {len(voters)} agents of the last generation reached "
-                                f"this agent's standby store within {majority_wait_s(self.node_timeout_s):g} s; a "
-                                "generation needs a majority of them", host_dead)
+                                f"this agent's standby store (waited {now - t0:.1f} s); a generation needs a majority "
+                                "of them", host_dead)
             time.sleep(_POLL_S)
         infos = [json.loads(store.get(Keys.joined(epoch, i))) for i in sorted(present)]
         lost = tuple(a for a in known.agents if a.index not in present and a.node is not None)
@@ -279,19 +278,17 @@ class AgentSuccession:
                 store.add(NodeKeys.incarnation(gone.node), gone.incarnation)
                 store.set(NodeKeys.lost(gone.node, gone.incarnation), f"{MOVED_CLAIM}:{self.entry.index}")
         spares = [e for e in (known.host, *known.agents) if e.spare is not None]
-        store.add("rt/spares", max((e.spare for e in spares), default=-1) + 1)  # type: ignore[type-var]
+        store.add(NodeKeys.SPARES, max((e.spare for e in spares), default=-1) + 1)  # type: ignore[type-var]
         came = {e.index for e in entries}
         for e in spares:
             waiting = e.node is None and e.index in came
-            store.set(f"rt/spare/{e.spare}/node", "" if waiting else (str(e.node) if e.node is not None else "gone"))
+            store.set(NodeKeys.spare(e.spare), "" if waiting else (str(e.node) if e.node is not None else "gone"))
         store.add(Keys.AGENTS, max(e.index for e in (known.host, *known.agents)) + 1)
         for e in entries:
             store.set(Keys.entry(e.index), e.to_json())
-        if members is not None:
-            gone_nodes = {e.node for e in (known.host, *lost) if e.node is not None}
-            store.set(_ELASTIC_MEMBERS.format(g=g), json.dumps(members))
+        if members is not None:  # the last generation's: the losses are handed on once the store opened
+            store.set(members_key(g), json.dumps(members))
             self.members_seen = members
-            self.lost_members = gone_nodes
         self.generation_seen = g
         others = tuple(e for e in sorted(entries, key=AgentEntry.order) if e.index != self.entry.index)
         me = AgentEntry(index=self.entry.index, addr=self.standby.addr, port=self.standby.port, node=self.entry.node,
