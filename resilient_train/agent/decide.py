@@ -218,10 +218,11 @@ def _no_majority(view: View, e: NoMajority) -> Decision:
     if e.host_dead:
         return Fail(message=f"lost the store's host ({e.error[:120]}), and {e.reason}: stopping; start the job "
                     "again to resume from its newest checkpoint", exit_code=exitcodes.REQUEUE)
-    line = (f"lost the store on {view.store_address} ({e.error[:120]}), and {e.reason}: this side of the job "
-            f"is fenced out (exit code {exitcodes.FENCED})")
+    line = (f"lost the store on {view.store_address} ({e.error[:120]}), and {e.reason}: this node may be the one cut "
+            f"off, and cannot know whether it was declared lost, so its ranks are fenced out (exit code "
+            f"{exitcodes.FENCED}); if the job stopped, start it again to resume from its newest checkpoint")
     if view.state is AgentState.WAITING_FOR_NODE:
         return End(exit_code=exitcodes.FENCED, reason="fenced", line=line)
     if view.state in (AgentState.STARTING, AgentState.RUNNING):
-        return Fence(how="no majority after the store's host was lost", line=line)
+        return Fence(how=f"lost the store on {view.store_address}", line=line)
     return Fail(message=line, exit_code=exitcodes.FENCED)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from monitors import EventLog
-from resilient_train.agent.boundedstore import call_timeout_s
+from resilient_train.succession.location import call_timeout_s
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.events import Fenced, JobEnded, NodeAssigned, NodeLost
 from resilient_train.fence import FENCE_WAIT_S

@@ -20,7 +20,7 @@ from resilient_train.agent import events as ev
 from resilient_train.agent.membership import Membership
 from resilient_train.agent.storehost import StoreHost
 from resilient_train import env as E
-from resilient_train.agent.boundedstore import call_timeout_s
+from resilient_train.succession.location import call_timeout_s
 from resilient_train.agent.succession import NotMoved
 from resilient_train.succession.location import announce
 
@@ -48,7 +48,6 @@ def move_store(error: str, *, host: StoreHost, membership: Membership, path: Pat
     lost_at = host.address
     result = host.succession.move()
     if isinstance(result, NotMoved):
-        events.emit("store_move_failed", reason=result.reason, host_dead=result.host_dead, error=error[:300])
         return ev.NoMajority(error=error, reason=result.reason, host_dead=result.host_dead)
     host.moved(result.endpoint, hosting=result.hosting)
     announce(path, result.endpoint)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from resilient_train import env as E
 from resilient_train import fdlimit
-from resilient_train.agent.boundedstore import call_timeout_s
+from resilient_train.succession.location import call_timeout_s
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.state import AgentError
 from resilient_train.agent.succession import AgentSuccession

@@ -32,13 +32,14 @@ import errno
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from resilient_train.agent.boundedstore import call_timeout_s
+from resilient_train.succession.location import call_timeout_s
 from resilient_train.agent.glooif import source_address
 from resilient_train.elastic.members import members_key, read_members
 from resilient_train.jobtoken import check_fingerprint, publish_fingerprint
@@ -196,11 +197,15 @@ class AgentSuccession:
             return NotMoved("this agent had not learnt the store's succession yet", host_dead=False)
         t0 = time.monotonic()
         epoch = known.epoch + 1
-        host_dead = _refused(known.host)
+        answers = _probe([known.host, *(a for a in known.agents if a.index != me.index)])
+        host_dead = answers[known.host.index] == "refused"
+        if not any(answers[a.index] == "accepts" for a in known.agents if a.index != me.index):
+            # Nobody else of the job can be reached: this node is the one cut off (or the only one left).
+            return NotMoved("no other agent of the job answers", host_dead)
         for cand in known.agents:
             if cand.index == me.index:
                 return self._open(epoch, known, host_dead, t0)
-            moved = self._join(cand, epoch, known, t0)
+            moved = self._join(cand, epoch, known, t0) if answers[cand.index] == "accepts" else None
             if moved is not None:
                 return moved
         return NotMoved("no successor of the store opened one (this agent is not in the succession)", host_dead)
@@ -302,17 +307,19 @@ class AgentSuccession:
 
 def _accepts(entry: AgentEntry) -> bool:
     """Whether ``entry``'s port takes a connection within :data:`PROBE_S` (a listening process lives there)."""
-    try:
-        with socket.create_connection((entry.addr, entry.port), timeout=PROBE_S):
-            return True
-    except OSError:
-        return False
+    return _answer(entry) == "accepts"
 
 
-def _refused(entry: AgentEntry) -> bool:
-    """Whether ``entry``'s host refused a connection outright (its process is gone; a cut link is a timeout)."""
+def _answer(entry: AgentEntry) -> str:
+    """How ``entry``'s port answers: "accepts", "refused" (its process is gone), or "silent" (a cut, a dead host)."""
     try:
         with socket.create_connection((entry.addr, entry.port), timeout=PROBE_S):
-            return False
+            return "accepts"
     except OSError as e:
-        return e.errno == errno.ECONNREFUSED or isinstance(e, ConnectionRefusedError)
+        return "refused" if isinstance(e, ConnectionRefusedError) or e.errno == errno.ECONNREFUSED else "silent"
+
+
+def _probe(entries: list[AgentEntry]) -> dict[int, str]:
+    """:func:`_answer` of every entry, at once (each on a thread): at most :data:`PROBE_S` in all."""
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(entries)))) as pool:
+        return dict(zip((e.index for e in entries), pool.map(_answer, entries)))

@@ -26,7 +26,17 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["Endpoint", "StoreLocation", "StoreLost", "announce", "announced"]
+__all__ = ["MIN_CALL_TIMEOUT_S", "Endpoint", "StoreLocation", "StoreLost", "announce", "announced", "call_timeout_s"]
+
+
+MIN_CALL_TIMEOUT_S = 5.0  # a loaded store host answers in milliseconds; seconds without a word is a lost host
+
+
+def call_timeout_s(node_timeout_s: float) -> float:
+    """The deadline of one store call of an agent or rank of a many-node job: as long as a node may stay silent
+    before it counts as lost, 5 s at least (c10d's TCPStore client bounds only ``get`` and ``wait``: ``set``,
+    ``add``, ``check`` and ``compare_set`` block for as long as a stopped host keeps the connection open)."""
+    return max(node_timeout_s, MIN_CALL_TIMEOUT_S)
 
 
 class StoreLost(dist.DistNetworkError):

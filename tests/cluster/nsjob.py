@@ -27,7 +27,7 @@ __all__ = ["NetCluster", "RankCensus"]
 PORT = 29500  # torchrun's default: each node's namespace has ports of its own
 # The ranks of a node behind a cut link, or blocked by a fault, make no progress: neither the lost node's agent
 # nor node 0's (whose rank waits on it) may kill them as hung before the loss plays out.
-MONITOR = {"hang": {"min_timeout_s": 60.0}, "metrics": {"prometheus": False}}
+MONITOR = {"hang": {"idle_timeout_s": 60.0}, "metrics": {"prometheus": False}}
 
 
 class NetCluster:

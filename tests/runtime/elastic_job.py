@@ -1,5 +1,6 @@
-"""An elastic job's nodes on one machine (``--nnodes MIN:MAX``): one agent per node on 127.0.0.1, each in its
-own session, so a test can start a node, take it down with everything on it, and start it again."""
+"""A many-node job's nodes on one machine (``--nnodes MIN:MAX`` or ``N``, spare nodes): one agent per node on
+127.0.0.1, each in its own session, so a test can start a node, take it down with everything on it, stop its
+agent alone, and start it again."""
 
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ class ElasticJob:
         self.last_call_s, self.node_timeout_s = last_call_s, node_timeout_s
         self.agents: dict[str, subprocess.Popen] = {}
 
-    def command(self, node_rank: int) -> list[str]:
+    def command(self, node_rank: int | None) -> list[str]:
+        node = ["--spare"] if node_rank is None else ["--node-rank", str(node_rank)]
         return [sys.executable, "-m", "resilient_train.cli", "run", "--nnodes", self.nodes,
-                "--nproc-per-node", str(self.nproc), "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
+                "--nproc-per-node", str(self.nproc), *node, "--master-addr", "127.0.0.1",
                 "--master-port", str(self.port), "--rdzv-id", "elastic", "--run-dir", str(self.run_dir),
                 "--rdzv-conf", f"last_call_timeout={self.last_call_s}", "--node-timeout", str(self.node_timeout_s),
                 *self.agent_args, str(GPT), "--steps", str(self.steps), *SMALL_GPT, *self.extra]
 
-    def start(self, name: str, node_rank: int) -> subprocess.Popen:
+    def start(self, name: str, node_rank: int | None) -> subprocess.Popen:
+        """Starts node ``node_rank``'s agent (None: a spare node's)."""
         p = subprocess.Popen(self.command(node_rank), cwd=REPO, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, start_new_session=True)
         self.agents[name] = p
@@ -44,6 +47,10 @@ class ElasticJob:
         """The node's host dies: its agent and every process it started, at once."""
         os.killpg(self.agents[name].pid, signal.SIGKILL)
         self.agents[name].wait(timeout=30)
+
+    def signal(self, name: str, signum: int) -> None:
+        """A signal to the node's agent alone (SIGSTOP, SIGCONT: its ranks run on)."""
+        os.kill(self.agents[name].pid, signum)
 
     def wait(self, name: str, timeout: float = 240) -> Job:
         p = self.agents[name]

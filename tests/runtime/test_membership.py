@@ -13,8 +13,12 @@ from jobs import GPT
 from monitors import EventLog
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.membership import Membership, fence_wait_s
-from resilient_train.agent.boundedstore import call_timeout_s
+from resilient_train.succession.location import call_timeout_s
+from resilient_train.agent.succession import AgentSuccession
 from resilient_train.nodes import NodeKeys, register_node
+from resilient_train.succession.location import Endpoint
+from resilient_train.succession.protocol import Keys as SuccessionKeys
+from resilient_train.succession.protocol import register
 
 
 @pytest.mark.timeout(60)
@@ -22,20 +26,24 @@ def test_a_node_that_finished_and_left_is_not_declared_lost_when_its_beat_stops(
     """Node 0's agent may outlive the others' by seconds (its rank releasing a group whose peer was cut off):
     a node that said it is done is silent by then, and that is its end, not a loss."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    config = AgentConfig(script=str(GPT), run_dir=str(tmp_path), nnodes=3, node_rank=0, node_timeout_s=0.3,
+    config = AgentConfig(script=str(GPT), run_dir=str(tmp_path), nnodes=4, node_rank=0, node_timeout_s=0.3,
                          master_port=store.port)
-    m = Membership(config, events=EventLog(None, source="agent0"), say=lambda line: None)
+    succession = AgentSuccession(master_addr="127.0.0.1", token="t", node_timeout_s=0.3, hosting=True,
+                                 wrap=lambda raw: raw, source="test")
+    m = Membership(config, events=EventLog(None, source="agent0"), say=lambda line: None, succession=succession,
+                   endpoint=lambda: Endpoint("127.0.0.1", store.port))
     m.register(store, lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False,
                                             timeout=timedelta(seconds=10)))
     try:
-        for node in (1, 2):
-            register_node(store, node)  # one beat each, then silence
+        for node in (1, 2, 3):  # registered with one beat each, then silence; node 3 goes on beating
+            register(store, {"addr": "127.0.0.1", "port": 1, "node": node, "incarnation": register_node(store, node)})
         store.set(NodeKeys.done(1), "1")  # node 1 finished and left; node 2 just went silent
         lost: list[int] = []
         deadline = time.monotonic() + 30
-        while 2 not in lost:  # the watch looks once a second
+        while 2 not in lost:  # the host's census looks once a second
             assert time.monotonic() < deadline, lost
-            lost += [e.node for e in m.poll(store)]  # type: ignore[union-attr]
+            store.add(SuccessionKeys.beat(3), 1)  # node 3 lives: with node 0, a majority of the four
+            lost += [e.node for e in m.poll(store, hosting=True)]  # type: ignore[union-attr]
             time.sleep(0.05)
         assert lost == [2]
     finally:
