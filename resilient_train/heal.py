@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from chaos import Phase
+from checkpointing.tree import map_leaves
 from monitors.events import EventLog
 from resilient_train.disk import DiskCheckpoints
 from resilient_train.generation import JoinError, ResumePlan, ResumeSource
@@ -60,25 +61,17 @@ def _buckets(layout: list[tuple[tuple[int, ...], torch.dtype, str]], bucket_byte
 _REF = "__rt_tensor__"
 
 
-def _plain(node: Any) -> Any:
+def _plain(skeleton: Any) -> Any:
     """The skeleton with its tensor references as plain dicts (the header is read with weights_only)."""
-    if isinstance(node, TensorRef):
-        return {_REF: node.index}
-    if isinstance(node, dict):
-        return {k: _plain(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(_plain(v) for v in node)
-    return node
+    return map_leaves(lambda node: {_REF: node.index} if isinstance(node, TensorRef) else node, skeleton)
 
 
-def _refs(node: Any) -> Any:
-    if isinstance(node, dict):
-        if len(node) == 1 and _REF in node:
-            return TensorRef(int(node[_REF]))
-        return {k: _refs(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(_refs(v) for v in node)
-    return node
+def _is_ref(node: Any) -> bool:
+    return isinstance(node, dict) and len(node) == 1 and _REF in node
+
+
+def _refs(plain: Any) -> Any:
+    return map_leaves(lambda node: TensorRef(int(node[_REF])) if _is_ref(node) else node, plain, is_leaf=_is_ref)
 
 
 def send_state(state: Any, dst: int, *, device: torch.device) -> int:
