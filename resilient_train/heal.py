@@ -32,7 +32,7 @@ from resilient_train.snapshot import HostSnapshot, TensorRef, flatten, unflatten
 from resilient_train.stepping import Stepper
 from resilient_train.train_state import TrainState
 
-__all__ = ["HostCopies", "receive_state", "restore_from_disk", "restore_live", "send_state"]
+__all__ = ["HostCopies", "heal_order", "receive_state", "restore_from_disk", "restore_live", "send_state"]
 
 BUCKET_MB = 64.0
 
@@ -143,6 +143,14 @@ class HostCopies(Protocol):
     def resumed(self, step: int) -> None: ...
 
 
+def heal_order(plan: ResumePlan) -> list[tuple[int, int, bool]]:
+    """The transfers of a live restore as ``(target, source, from a buddy's host copy)``, in the one order every
+    rank runs them: by target, so a rank that both serves and receives never waits on a peer that waits on it.
+    A buddy holder serves its host copy; a live source, what it holds."""
+    return sorted([(t, s, False) for t, s in plan.heal_from.items()] +
+                  [(t, h, True) for t, h in plan.buddy_from.items()])
+
+
 def restore_live(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Stepper, slots: LocalSlots,
                  device: torch.device, events: EventLog, snapshot: HostSnapshot | None, buddy: HostCopies | None,
                  adopt_record: Callable[[], None] | None) -> None:
@@ -163,13 +171,9 @@ def restore_live(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Ste
         else:
             assert buddy is not None
             state.load_shard_state(buddy.own_copy(step).state())
-    # One order on every rank (by target), so a rank that both serves and receives never waits on a peer
-    # that waits on it. A buddy holder serves its host copy; a live source, what it holds.
-    transfers = sorted([(t, s, False) for t, s in plan.heal_from.items()] +
-                       [(t, h, True) for t, h in plan.buddy_from.items()])
     sent = received = 0
     source_of: int | None = None
-    for target, source, from_buddy in transfers:
+    for target, source, from_buddy in heal_order(plan):
         if source == rank:
             assert not from_buddy or buddy is not None
             payload = buddy.copy_of(target, step).state() if from_buddy else state.shard_state_dict()  # type: ignore[union-attr]

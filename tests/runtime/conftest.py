@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from heart_rig import Rig
 
 
 @pytest.fixture
@@ -21,3 +24,11 @@ def gloo_one(tmp_path: Path) -> Iterator[dist.Store]:
         yield store
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def rig(gloo_one: dist.Store, tmp_path: Path) -> "Rig":
+    """A stepper at boundary 0 over a small model, on the group of one (tests/runtime/heart_rig.py)."""
+    from heart_rig import Rig
+
+    return Rig(gloo_one, tmp_path)
