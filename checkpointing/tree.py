@@ -7,7 +7,8 @@ this project goes through :func:`children` (what a branch holds, in its order:
 a dict's entries as inserted, a list's or tuple's items) and the walks built on
 it here: :func:`leaves` (lazily, depth first), :func:`fold` (bottom up, with a
 path), :func:`map_leaves` (the same tree, each leaf replaced) and :func:`pairs`
-(two trees side by side). The order is part of the contract: host snapshots,
+(two trees side by side; :func:`fill_template` folds two trees walked as
+one). The order is part of the contract: host snapshots,
 healing and checkpoints number tensors by it, and bitwise comparisons pair them
 by it. torch's ``_pytree`` is not used: it walks by an exact-type registry any
 imported library can extend (a dict subclass it does not know is a leaf, with
@@ -293,30 +294,49 @@ def skeleton_keys(skeleton: Skeleton) -> list[str]:
 
 
 def fill_template(template: Any, loaded: Any, path: str = "") -> Any:
-    """Copies ``loaded`` into ``template``'s tensors in place (shapes and dtypes must match); returns the filled tree."""
-    where = path or "<root>"
-    if isinstance(template, torch.Tensor):
-        if not isinstance(loaded, torch.Tensor):
-            raise ValueError(f"checkpoint load: {where} is {type(loaded).__name__} in the checkpoint, a tensor in the template")
-        if loaded.shape != template.shape or loaded.dtype != template.dtype:
+    """Copies ``loaded`` into ``template``'s tensors in place (shapes and dtypes must match); returns the filled tree.
+
+    The two trees are walked as one, whose nodes are ``(template, loaded, path)``: a template's dict opens on
+    a dict of the checkpoint holding all its keys (anything else is refused), a template's list or tuple on a
+    sequence of the checkpoint as long; elsewhere the checkpoint's value stands.
+    """
+
+    def opened(node: tuple[Any, Any, str]) -> list[tuple[Any, Any]] | None:
+        t, x, at = node
+        if isinstance(t, dict):
+            where = at or "<root>"
+            if not isinstance(x, dict):
+                raise ValueError(f"checkpoint load: {where} is not a dict in the checkpoint")
+            missing = [k for k in t if k not in x]
+            if missing:
+                raise ValueError(f"checkpoint load: {where} has no entry {missing[0]!r} in the checkpoint")
+            return [(k, (v, x[k], f"{at}.{k}" if at else str(k))) for k, v in t.items()]
+        if isinstance(t, (list, tuple)) and isinstance(x, (list, tuple)) and len(t) == len(x):
+            return [(i, (a, b, f"{at}.{i}" if at else str(i))) for i, (a, b) in enumerate(zip(t, x))]
+        return None
+
+    def leaf(node: tuple[Any, Any, str], _: None) -> Any:
+        t, x, at = node
+        if not isinstance(t, torch.Tensor):
+            return x
+        where = at or "<root>"
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"checkpoint load: {where} is {type(x).__name__} in the checkpoint, a tensor in the template")
+        if x.shape != t.shape or x.dtype != t.dtype:
             raise ValueError(
-                f"checkpoint load: {where} is {loaded.dtype}{list(loaded.shape)} in the checkpoint, "
-                f"{template.dtype}{list(template.shape)} in the template"
+                f"checkpoint load: {where} is {x.dtype}{list(x.shape)} in the checkpoint, "
+                f"{t.dtype}{list(t.shape)} in the template"
             )
         with torch.no_grad():
-            template.copy_(loaded)
-        return template
-    if isinstance(template, dict):
-        if not isinstance(loaded, dict):
-            raise ValueError(f"checkpoint load: {where} is not a dict in the checkpoint")
-        missing = [k for k in template if k not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint load: {where} has no entry {missing[0]!r} in the checkpoint")
-        out = dict(loaded)
-        for k, v in template.items():
-            out[k] = fill_template(v, loaded[k], f"{path}.{k}" if path else str(k))
-        return out
-    if isinstance(template, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(template) == len(loaded):
-        items = [fill_template(t, x, f"{path}.{i}" if path else str(i)) for i, (t, x) in enumerate(zip(template, loaded))]
-        return type(template)(items)
-    return loaded
+            t.copy_(x)
+        return t
+
+    def branch(node: tuple[Any, Any, str], items: list[tuple[Any, Any]], _: None) -> Any:
+        t, x, _ = node
+        if isinstance(t, dict):
+            out = dict(x)  # the checkpoint's entries the template does not name stay
+            out.update(items)
+            return out
+        return type(t)([v for _, v in items])
+
+    return fold((template, loaded, path), leaf, branch, path=None, join=_no_path, children=opened)

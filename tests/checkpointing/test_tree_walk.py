@@ -11,8 +11,8 @@ import collections
 import pytest
 import torch
 
-from checkpointing.tree import (Gap, GapKind, Pair, children, flatten_state, fold, leaves, map_leaves, pairs,
-                                skeleton_keys, unflatten_state)
+from checkpointing.tree import (Gap, GapKind, Pair, children, fill_template, flatten_state, fold, leaves, map_leaves,
+                                pairs, skeleton_keys, unflatten_state)
 from resilient_train.local_state import same_local
 from resilient_train.snapshot import TensorRef, flatten, unflatten
 
@@ -121,3 +121,19 @@ def test_same_local_is_strict_on_dtype_and_type_and_alike_on_sequences() -> None
     assert not same_local({"a": 1}, {"a": 1.0})
     assert not same_local({"a": 1}, {"a": 1, "b": 2})
     assert same_local({"a": 1, "b": 2}, {"b": 2, "a": 1})  # key order is not content
+
+
+@pytest.mark.timeout(30)
+def test_fill_template_fills_in_place_and_keeps_the_checkpoints_other_values() -> None:
+    live = {"model": {"w": torch.zeros(2)}, "optim": {"lr": 0.1, "hist": [torch.zeros(1)]}}
+    w = live["model"]["w"]
+    loaded = {"model": {"w": torch.ones(2)}, "optim": {"lr": 0.5, "hist": [torch.ones(1), torch.ones(1)]},
+              "local": {"step": 3}}
+    out = fill_template(live, loaded)
+    assert out["model"]["w"] is w and torch.equal(w, torch.ones(2))  # the template's own tensor, filled
+    assert out["optim"]["lr"] == 0.5 and len(out["optim"]["hist"]) == 2  # the checkpoint's values stand
+    assert out["local"] == {"step": 3}  # and its entries the template does not name
+    with pytest.raises(ValueError, match=r"model has no entry 'b' in the checkpoint"):
+        fill_template({"model": {"w": w, "b": torch.zeros(1)}}, loaded)
+    with pytest.raises(ValueError, match=r"model.w is torch.float32\[2\] in the checkpoint, torch.float32\[3\]"):
+        fill_template({"model": {"w": torch.zeros(3)}}, loaded)
