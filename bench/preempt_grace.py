@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpointing import CheckpointConfig, CheckpointManager  # noqa: E402
+from checkpointing.tree import leaves  # noqa: E402
 from resilient_train.shutdown import DEFAULT_GRACE_S, auto_grace  # noqa: E402
 
 
@@ -56,13 +57,7 @@ def synthetic_state(gb: float) -> dict:
 
 
 def nbytes(state: dict) -> int:
-    total = 0
-    for v in state.values():
-        if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-        elif isinstance(v, dict):
-            total += nbytes(v)
-    return total
+    return sum(t.numel() * t.element_size() for t in leaves(state) if isinstance(t, torch.Tensor))
 
 
 def in_flight_then_required(mgr: CheckpointManager, state: dict, step: int) -> float:

@@ -2,23 +2,25 @@
 
 Order (each step durable before the next): merge the ranks' metadata pieces into
 ``.metadata``; drop files no rank reported (left by an earlier, crashed attempt);
-write ``manifest.json``; fsync the directory; rename it into place; fsync the
-parent. A crash anywhere before the rename leaves only a ``.tmp`` directory,
-which is never loaded; after it, the checkpoint is complete.
+then :func:`commit_directory`: write ``manifest.json``; fsync the directory;
+rename it into place; fsync the parent. A crash anywhere before the rename
+leaves only a ``.tmp`` directory, which is never loaded; after it, the
+checkpoint is complete. Megatron's checkpoints (``checkpointing.megatron_dist``)
+end in the same :func:`commit_directory`.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from checkpointing import testhooks
 from checkpointing.dcp_io import METADATA_FILE, merge_metadata_pieces, metadata_piece_name
 from checkpointing.durable import file_sha256, fsync_dir, remove_tree
 from checkpointing.manifest import MANIFEST_FILE, FileEntry, Manifest
 
-__all__ = ["TMP_SUFFIX", "commit_checkpoint", "describe_files"]
+__all__ = ["TMP_SUFFIX", "commit_checkpoint", "commit_directory", "describe_files"]
 
 TMP_SUFFIX = ".tmp"
 _REPLACED_SUFFIX = ".replaced"
@@ -72,12 +74,22 @@ def commit_checkpoint(
         extras=extras,
         run_id=run_id,
     )
+    commit_directory(tmp_dir, final_dir, manifest,
+                     crash_point=lambda stage: testhooks.crash_point(stage, step=step, rank=rank))
+    return manifest
+
+
+def commit_directory(tmp_dir: Path, final_dir: Path, manifest: Manifest, *,
+                     crash_point: Callable[[str], None] = lambda stage: None) -> None:
+    """Writes ``manifest`` into ``tmp_dir`` (whose files are durable already) and renames it to ``final_dir``,
+    atomically: a reader sees the old directory or the complete new one. A step saved again (after a rollback)
+    replaces the old one, which is moved aside first and removed once the new one is in place.
+    ``crash_point(stage)``: the tests' crash points (``manifest``, ``renamed``)."""
     manifest.write(tmp_dir)
     fsync_dir(tmp_dir)
-    testhooks.crash_point("manifest", step=step, rank=rank)
+    crash_point("manifest")
     replaced = None
     if final_dir.exists():
-        # Saving a step again (after a rollback): move the old one aside first.
         replaced = final_dir.with_name(final_dir.name + _REPLACED_SUFFIX)
         remove_tree(replaced)
         os.rename(final_dir, replaced)
@@ -85,5 +97,4 @@ def commit_checkpoint(
     fsync_dir(final_dir.parent)
     if replaced is not None:
         remove_tree(replaced)
-    testhooks.crash_point("renamed", step=step, rank=rank)
-    return manifest
+    crash_point("renamed")

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import torch
 
 from checkpointing.state_files import read_state
+from checkpointing.tree import Gap, GapKind, KeyPath, pairs
 
 __all__ = ["diff_all", "diff_states"]
 
@@ -31,7 +32,7 @@ def diff_states(a: StateLike, b: StateLike) -> str | None:
 def diff_all(a: StateLike, b: StateLike) -> list[str]:
     """Every difference between ``a`` and ``b``, one line each (empty when bitwise equal)."""
     sa, sb = _as_state(a), _as_state(b)
-    return [_explain(d) for d in _diffs(sa, sb, "")]
+    return [_explain(d) for d in _diffs(sa, sb)]
 
 
 _UNSEEDED = re.compile(r"\.rng\.(python|numpy)[.:]")
@@ -56,45 +57,39 @@ def _as_state(x: StateLike) -> Any:
     raise ValueError(f"diff_states: expected a state dict or a checkpoint directory, got {type(x).__name__}")
 
 
-def _diffs(a: Any, b: Any, path: str) -> Iterator[str]:
+def _diffs(a: Any, b: Any) -> Iterator[str]:
     """Every difference, in order (lazily: the first costs only what comes before it)."""
-    where = path or "<root>"
+    for p in pairs(a, b):
+        where = _dotted(p.path) or "<root>"
+        if isinstance(p, Gap):
+            if p.kind is GapKind.ONLY_A:
+                yield f"{_dotted(p.path)}: only in the first state"
+            elif p.kind is GapKind.ONLY_B:
+                yield f"{_dotted(p.path)}: only in the second state"
+            elif p.kind is GapKind.KIND:
+                yield f"{where}: {_kind(p.a)} vs {_kind(p.b)}"
+            else:
+                yield f"{where}: length {len(p.a)} vs {len(p.b)}"
+        else:
+            d = _diff_leaf(p.a, p.b, where)
+            if d is not None:
+                yield d
+
+
+def _diff_leaf(a: Any, b: Any, where: str) -> str | None:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            yield f"{where}: {_kind(a)} vs {_kind(b)}"
-            return
-        d = _diff_tensor(a, b, where)
-        if d is not None:
-            yield d
-        return
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in a:
-            if k not in b:
-                yield f"{_join(path, k)}: only in the first state"
-        for k in b:
-            if k not in a:
-                yield f"{_join(path, k)}: only in the second state"
-        for k in a:
-            if k in b:
-                yield from _diffs(a[k], b[k], _join(path, k))
-        return
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if type(a) is not type(b):
-            yield f"{where}: {_kind(a)} vs {_kind(b)}"
-        elif len(a) != len(b):
-            yield f"{where}: length {len(a)} vs {len(b)}"
-        else:
-            for i, (x, y) in enumerate(zip(a, b)):
-                yield from _diffs(x, y, _join(path, i))
-        return
+            return f"{where}: {_kind(a)} vs {_kind(b)}"
+        return _diff_tensor(a, b, where)
     if type(a) is not type(b):
-        yield f"{where}: {_kind(a)} {_short(a)} vs {_kind(b)} {_short(b)}"
-    elif isinstance(a, float) and math.isnan(a) and math.isnan(b):
-        return
-    elif isinstance(a, float) and a == b and math.copysign(1.0, a) != math.copysign(1.0, b):
-        yield f"{where}: {a!r} vs {b!r} (sign of zero)"
-    elif a != b:
-        yield f"{where}: {_short(a)} vs {_short(b)}"
+        return f"{where}: {_kind(a)} {_short(a)} vs {_kind(b)} {_short(b)}"
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return None
+    if isinstance(a, float) and a == b and math.copysign(1.0, a) != math.copysign(1.0, b):
+        return f"{where}: {a!r} vs {b!r} (sign of zero)"
+    if a != b:
+        return f"{where}: {_short(a)} vs {_short(b)}"
+    return None
 
 
 def _short(x: Any) -> str:
@@ -129,8 +124,12 @@ def _diff_tensor(a: torch.Tensor, b: torch.Tensor, where: str) -> str | None:
     return msg
 
 
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
+def _dotted(path: KeyPath) -> str:
+    """A place as the dotted name a checkpoint's flattening gives it."""
+    dotted = ""
+    for key in path:
+        dotted = f"{dotted}.{key}" if dotted else str(key)
+    return dotted
 
 
 def _kind(x: Any) -> str:

@@ -33,8 +33,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from checkpointing.catalog import iter_valid, step_dir, write_latest
-from checkpointing.commit import TMP_SUFFIX
-from checkpointing.durable import file_sha256, fsync_dir, fsync_file, remove_tree
+from checkpointing.commit import TMP_SUFFIX, commit_directory
+from checkpointing.durable import file_sha256, fsync_file, remove_tree
 from checkpointing.manifest import MANIFEST_FILE, CheckpointError, FileEntry, Manifest
 from checkpointing.retention import RetentionWorker
 from monitors.events import EventLog
@@ -44,7 +44,6 @@ __all__ = ["FORMAT", "MegatronCheckpointConfig", "MegatronCheckpointFailed", "Me
 
 FORMAT = "megatron.dist_checkpointing"
 _RANK_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
-_REPLACED = ".replaced"
 
 
 class NoMegatronCheckpoint(FileNotFoundError):
@@ -159,17 +158,7 @@ class MegatronCheckpointer:
                                                       "(a subdirectory, or a shard name this reader does not know)")
         manifest = Manifest(step=step, world_size=self.world_size, files=files, tree={"D": []},
                             extras={**extras, "format": FORMAT}, run_id=self.config.run_id)
-        manifest.write(tmp)
-        fsync_dir(tmp)
-        replaced = None
-        if final.exists():  # the same step saved again (after a rollback): the old one moves aside first
-            replaced = final.with_name(final.name + _REPLACED)
-            remove_tree(replaced)
-            os.rename(final, replaced)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
-        if replaced is not None:
-            remove_tree(replaced)
+        commit_directory(tmp, final, manifest)
         write_latest(self.root, step)
         if self._retention is not None:
             self._retention.request()

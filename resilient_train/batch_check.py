@@ -19,11 +19,13 @@ stops the job with one line naming the step (:class:`UsageError`).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
+from checkpointing.tree import children, leaves
 from resilient_train.errors import UsageError
 
 __all__ = ["BatchFingerprints", "NOT_A_FUNCTION", "fingerprint"]
@@ -41,21 +43,23 @@ NOT_A_FUNCTION = ("step {step} fed the model other inputs when it was computed a
 def fingerprint(args: tuple, kwargs: dict[str, Any]) -> list[Any]:
     """The inputs of one call: plain values as they are, tensors as (shape, dtype, device fingerprint or None)."""
     out: list[Any] = []
-    stack: list[Any] = [kwargs, args]
-    while stack and len(out) < _MAX_ITEMS:
-        x = stack.pop()
+    for x in itertools.islice(leaves([args, kwargs], children=_call_children), _MAX_ITEMS):
         if isinstance(x, torch.Tensor):
             out.append((tuple(x.shape), x.dtype, _digest(x)))
-        elif isinstance(x, dict):
-            for k in sorted(x, key=str, reverse=True):
-                stack.extend((x[k], str(k)))
-        elif isinstance(x, (list, tuple)):
-            stack.extend(reversed(x))
         elif x is None or isinstance(x, (bool, int, float, str)):
             out.append(x)
         else:
             out.append(type(x).__qualname__)
     return out
+
+
+def _call_children(x: Any) -> list[tuple[Any, Any]] | None:
+    """A call's inputs as a tree whose dicts hold each key's name before its value, by name (keyword order
+    is the caller's whim)."""
+    if isinstance(x, dict):
+        keys = reversed(sorted(x, key=str, reverse=True))  # two keys of one name: the later one first
+        return [(k, y) for k in keys for y in (str(k), x[k])]
+    return children(x)
 
 
 def _digest(t: torch.Tensor) -> torch.Tensor | None:

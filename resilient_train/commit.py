@@ -165,26 +165,52 @@ class CommitGate:
 
 
 class BufferGuard:
-    """Puts back the buffers a failed step's forward changed."""
+    """Puts back the buffers a failed step's forward changed.
+
+    A buffer's version counter tells whether it changed, except where a kernel writes it in place: torch's
+    batch_norm updates BatchNorm's running statistics and leaves their version as it was. The buffers of
+    norm layers are therefore copied at every boundary (a few floats per channel); the others only when
+    their version moved.
+    """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
         self._saved: dict[str, tuple[int, torch.Tensor]] = {}
+        self._unversioned: set[str] | None = None  # the norm layers' buffers, found at the first mark
+
+    def _norm_buffers(self) -> set[str]:
+        if self._unversioned is None:
+            self._unversioned = {f"{prefix}.{name}" if prefix else name
+                                 for prefix, m in self._module.named_modules()
+                                 if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                                 for name, _ in m.named_buffers(recurse=False)}
+        return self._unversioned
 
     def mark(self) -> None:
         """At a step boundary: copies the buffers that changed since the last mark (on their device)."""
-        for name, buf in self._module.named_buffers():
-            seen = self._saved.get(name)
-            if seen is None or seen[0] != buf._version or seen[1].shape != buf.shape:
-                self._saved[name] = (buf._version, buf.detach().clone())
+        unversioned = self._norm_buffers()
+        with torch.no_grad():
+            for name, buf in self._module.named_buffers():
+                seen = self._saved.get(name)
+                if seen is None or seen[1].shape != buf.shape:
+                    self._saved[name] = (buf._version, buf.detach().clone())
+                elif name in unversioned:
+                    seen[1].copy_(buf)
+                    self._saved[name] = (buf._version, seen[1])
+                elif seen[0] != buf._version:
+                    self._saved[name] = (buf._version, buf.detach().clone())
 
     def restore(self) -> int:
         """After a fault before the commit: buffers changed since the mark get their boundary values back."""
+        unversioned = self._norm_buffers()
         restored = 0
         with torch.no_grad():
             for name, buf in self._module.named_buffers():
                 seen = self._saved.get(name)
-                if seen is not None and seen[0] != buf._version and seen[1].shape == buf.shape:
+                if seen is None or seen[1].shape != buf.shape:
+                    continue
+                changed = seen[0] != buf._version or (name in unversioned and not torch.equal(buf, seen[1]))
+                if changed:
                     buf.copy_(seen[1])
                     self._saved[name] = (buf._version, seen[1])
                     restored += 1

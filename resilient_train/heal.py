@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from chaos import Phase
+from checkpointing.tree import map_leaves
 from monitors.events import EventLog
 from resilient_train.disk import DiskCheckpoints
 from resilient_train.generation import JoinError, ResumePlan, ResumeSource
@@ -31,7 +32,7 @@ from resilient_train.snapshot import HostSnapshot, TensorRef, flatten, unflatten
 from resilient_train.stepping import Stepper
 from resilient_train.train_state import TrainState
 
-__all__ = ["HostCopies", "receive_state", "restore_from_disk", "restore_live", "send_state"]
+__all__ = ["HostCopies", "heal_order", "receive_state", "restore_from_disk", "restore_live", "send_state"]
 
 BUCKET_MB = 64.0
 
@@ -60,25 +61,17 @@ def _buckets(layout: list[tuple[tuple[int, ...], torch.dtype, str]], bucket_byte
 _REF = "__rt_tensor__"
 
 
-def _plain(node: Any) -> Any:
+def _plain(skeleton: Any) -> Any:
     """The skeleton with its tensor references as plain dicts (the header is read with weights_only)."""
-    if isinstance(node, TensorRef):
-        return {_REF: node.index}
-    if isinstance(node, dict):
-        return {k: _plain(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(_plain(v) for v in node)
-    return node
+    return map_leaves(lambda node: {_REF: node.index} if isinstance(node, TensorRef) else node, skeleton)
 
 
-def _refs(node: Any) -> Any:
-    if isinstance(node, dict):
-        if len(node) == 1 and _REF in node:
-            return TensorRef(int(node[_REF]))
-        return {k: _refs(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(_refs(v) for v in node)
-    return node
+def _is_ref(node: Any) -> bool:
+    return isinstance(node, dict) and len(node) == 1 and _REF in node
+
+
+def _refs(plain: Any) -> Any:
+    return map_leaves(lambda node: TensorRef(int(node[_REF])) if _is_ref(node) else node, plain, is_leaf=_is_ref)
 
 
 def send_state(state: Any, dst: int, *, device: torch.device) -> int:
@@ -150,6 +143,14 @@ class HostCopies(Protocol):
     def resumed(self, step: int) -> None: ...
 
 
+def heal_order(plan: ResumePlan) -> list[tuple[int, int, bool]]:
+    """The transfers of a live restore as ``(target, source, from a buddy's host copy)``, in the one order every
+    rank runs them: by target, so a rank that both serves and receives never waits on a peer that waits on it.
+    A buddy holder serves its host copy; a live source, what it holds."""
+    return sorted([(t, s, False) for t, s in plan.heal_from.items()] +
+                  [(t, h, True) for t, h in plan.buddy_from.items()])
+
+
 def restore_live(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Stepper, slots: LocalSlots,
                  device: torch.device, events: EventLog, snapshot: HostSnapshot | None, buddy: HostCopies | None,
                  adopt_record: Callable[[], None] | None) -> None:
@@ -170,13 +171,9 @@ def restore_live(plan: ResumePlan, *, state: TrainState, rank: int, stepper: Ste
         else:
             assert buddy is not None
             state.load_shard_state(buddy.own_copy(step).state())
-    # One order on every rank (by target), so a rank that both serves and receives never waits on a peer
-    # that waits on it. A buddy holder serves its host copy; a live source, what it holds.
-    transfers = sorted([(t, s, False) for t, s in plan.heal_from.items()] +
-                       [(t, h, True) for t, h in plan.buddy_from.items()])
     sent = received = 0
     source_of: int | None = None
-    for target, source, from_buddy in transfers:
+    for target, source, from_buddy in heal_order(plan):
         if source == rank:
             assert not from_buddy or buddy is not None
             payload = buddy.copy_of(target, step).state() if from_buddy else state.shard_state_dict()  # type: ignore[union-attr]

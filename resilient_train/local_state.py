@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpointing.tree import Pair, pairs
+
 __all__ = ["LocalSlots", "as_peer", "decode_local", "encode_local", "same_local"]
 
 
@@ -102,13 +104,14 @@ class LocalSlots:
 
 
 def same_local(a: Any, b: Any) -> bool:
-    """Equal local states: tensors by value, plain data by type and value."""
+    """Equal local states: the same keys, sequences of the same length (a list and a tuple alike), tensors by
+    dtype, shape and value, plain data by type and value."""
+    return all(isinstance(p, Pair) and _same_leaf(p.a, p.b) for p in pairs(a, b, sequences_alike=True))
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_local(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_local(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 

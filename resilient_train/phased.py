@@ -7,9 +7,11 @@ that forward, for both.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
+
+from checkpointing.tree import leaves
 
 __all__ = ["forward_in_phases"]
 
@@ -19,24 +21,12 @@ def forward_in_phases(module: torch.nn.Module, phase: Callable[[str], None], *ar
     phase("forward")
     out = module(*args, **kwargs)
     if torch.is_grad_enabled():
-        for t in _tensors(out):
-            if t.requires_grad:
-                t.register_hook(lambda grad: _backward_starts(phase, grad))
-                break
+        first = next((t for t in leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(lambda grad: _backward_starts(phase, grad))
     return out
 
 
 def _backward_starts(phase: Callable[[str], None], grad: torch.Tensor) -> torch.Tensor:
     phase("backward")
     return grad
-
-
-def _tensors(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, dict):
-        for v in out.values():
-            yield from _tensors(v)
-    elif isinstance(out, (list, tuple)):
-        for v in out:
-            yield from _tensors(v)

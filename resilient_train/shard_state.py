@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from checkpointing.tree import leaves, map_leaves
 from resilient_train.errors import UsageError
 
 __all__ = ["LOCAL", "checksum", "has_dtensor", "load_local_into", "load_optimizer_local", "to_local"]
@@ -25,25 +26,11 @@ LOCAL = "__rt_local__"
 
 
 def to_local(tree: Any) -> Any:
-    if isinstance(tree, DTensor):
-        return {LOCAL: tree.to_local().detach()}
-    if isinstance(tree, dict):
-        return {k: to_local(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [to_local(v) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(to_local(v) for v in tree)
-    return tree
+    return map_leaves(lambda x: {LOCAL: x.to_local().detach()} if isinstance(x, DTensor) else x, tree)
 
 
 def has_dtensor(tree: Any) -> bool:
-    if isinstance(tree, DTensor):
-        return True
-    if isinstance(tree, dict):
-        return any(has_dtensor(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(has_dtensor(v) for v in tree)
-    return False
+    return any(isinstance(x, DTensor) for x in leaves(tree))
 
 
 def _is_local(node: Any) -> bool:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from checkpointing.tree import map_leaves
+
 __all__ = ["HostSnapshot", "TensorRef", "flatten", "unflatten"]
 
 
@@ -40,34 +42,17 @@ def flatten(tree: Any) -> tuple[Any, list[torch.Tensor]]:
     """Returns ``(skeleton, tensors)``; dicts, lists and tuples are walked."""
     tensors: list[torch.Tensor] = []
 
-    def walk(node: Any) -> Any:
+    def leaf(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
             tensors.append(node)
             return TensorRef(len(tensors) - 1)
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if isinstance(node, tuple):
-            return tuple(walk(v) for v in node)
         return copy.deepcopy(node)
 
-    return walk(tree), tensors
+    return map_leaves(leaf, tree), tensors
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    def walk(node: Any) -> Any:
-        if isinstance(node, TensorRef):
-            return tensors[node.index]
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if isinstance(node, tuple):
-            return tuple(walk(v) for v in node)
-        return node
-
-    return walk(skeleton)
+    return map_leaves(lambda node: tensors[node.index] if isinstance(node, TensorRef) else node, skeleton)
 
 
 def _layout(tensors: list[torch.Tensor]) -> list[tuple[torch.Size, torch.dtype]]:

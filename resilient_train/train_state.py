@@ -20,6 +20,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from checkpointing.tree import Pair, pairs
 from resilient_train.ddp import ReplicatedModule
 
 __all__ = ["RngUse", "Stateful", "TrainState", "as_float", "capture_rng", "restore_rng"]
@@ -58,11 +59,14 @@ class RngUse:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Two states of one generator (lists of plain values and tensors), by value."""
+    return all(isinstance(p, Pair) and _same_leaf(p.a, p.b) for p in pairs(a, b, sequences_alike=True))
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
+    return bool(a == b)
 
 
 def capture_rng(use: RngUse | None = None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from checkpointing import CheckpointConfig, CheckpointManager, diff_states
+from checkpointing.tree import map_leaves
 
 
 def reference() -> dict:
@@ -60,19 +61,11 @@ def sharded(state: dict, mesh: object, rows: list) -> dict:
 
 
 def whole(tree: object) -> object:
-    if isinstance(tree, DTensor):
-        return tree.full_tensor()
-    if isinstance(tree, dict):
-        return {k: whole(v) for k, v in tree.items()}
-    return tree
+    return map_leaves(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree)
 
 
 def zeros_like(tree: object) -> object:
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree)
-    if isinstance(tree, dict):
-        return {k: zeros_like(v) for k, v in tree.items()}
-    return tree
+    return map_leaves(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
 def main() -> int:

@@ -27,6 +27,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from checkpointing.tree import children
+
 __all__ = ["Census", "GroupCensus", "LayoutGroup", "group_values", "is_group", "reset_module_state",
            "snapshot_module_state"]
 
@@ -60,11 +62,7 @@ def group_values(value: Any) -> list[Any]:
     """The groups inside ``value``: itself, or the members of a list, tuple or dict (one level)."""
     if is_group(value):
         return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if is_group(v)]
-    if isinstance(value, dict):
-        return [v for v in value.values() if is_group(v)]
-    return []
+    return [v for _, v in children(value) or () if is_group(v)]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from checkpointing.tree import children
 from resilient_train.errors import UsageError
 from resilient_train.group import abort_nccl
 from resilient_train.integrations.megatron.groups import (
@@ -231,9 +232,8 @@ class MegatronParallel:
                                 yield f"{path}.{f.name}", value, f.name, v
                     elif is_group(value) or (value is None and _role_by_name(module, attr) is not None):
                         yield path, module, attr, value
-                    elif isinstance(value, (list, dict)):
-                        items = value.items() if isinstance(value, dict) else enumerate(value)
-                        for k, v in list(items):
+                    elif isinstance(value, (list, dict)):  # a tuple's slots cannot be given a new group
+                        for k, v in children(value) or ():
                             if is_group(v):
                                 yield f"{path}[{k!r}]", value, k, v
 
