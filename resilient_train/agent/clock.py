@@ -27,6 +27,11 @@ class PauseClock:
         self._on_pause = on_pause
         self._last: float | None = None
         self.paused_s = 0.0  # in all, for the record
+        self.paused_at: float | None = None  # when the last pause was found
+
+    def paused_within(self, seconds: float) -> bool:
+        """Whether a pause was found in the last ``seconds``."""
+        return self.paused_at is not None and time.monotonic() - self.paused_at <= seconds
 
     def restart(self) -> None:
         """The agent was busy on purpose until now (a blocking step of its own): the next look starts afresh."""
@@ -39,5 +44,6 @@ class PauseClock:
         if last is None or now - last < self.pause_s:
             return None
         self.paused_s += now - last
+        self.paused_at = now
         self._on_pause(now - last)
         return now - last

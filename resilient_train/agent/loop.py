@@ -309,8 +309,8 @@ class Agent:
             self._take_node(d.node)
         elif isinstance(d, ev.MoveStore) and self.membership is not None:
             failed = move_store(d.error, host=self.host, membership=self.membership, path=self._announce_to,
-                                events=self.events, say=self._say, supervised=self.entry.mentions_runtime())
-            self.clock.restart()  # the move's wait was no pause of this agent
+                                events=self.events, say=self._say, supervised=self.entry.mentions_runtime(),
+                                clock=self.clock)
             if failed is not None:
                 self._act(decide(self.view(), failed))
         else:

@@ -18,13 +18,15 @@ from typing import Callable
 from monitors import EventLog
 from resilient_train.agent import events as ev
 from resilient_train.agent.membership import Membership
-from resilient_train.agent.storehost import StoreHost
 from resilient_train import env as E
-from resilient_train.succession.location import call_timeout_s
+from resilient_train.agent.clock import PauseClock
+from resilient_train.agent.storehost import StoreHost
 from resilient_train.agent.succession import NotMoved
-from resilient_train.succession.location import announce
+from resilient_train.succession.location import announce, call_timeout_s
 
 __all__ = ["announce_path", "move_store", "store_env"]
+
+_PAUSED_S = 30.0  # a pause this recent explains a lost store
 
 
 def announce_path(run_dir: Path) -> Path:
@@ -41,14 +43,20 @@ def store_env(host: StoreHost, path: Path, node_timeout_s: float) -> dict[str, s
 
 
 def move_store(error: str, *, host: StoreHost, membership: Membership, path: Path, events: EventLog,
-               say: Callable[[str], None], supervised: bool) -> ev.NoMajority | None:
-    """Moves this agent to the store's next host; the event to decide when no store opened."""
+               say: Callable[[str], None], supervised: bool, clock: PauseClock) -> ev.NoMajority | None:
+    """Moves this agent to the store's next host; the event to decide when no store opened.
+
+    An agent that was paused just before (it was stopped, its host frozen) and finds nobody to move with
+    cannot tell a job that ended, or went on without its node, from a host that died: it is fenced (94),
+    never the one to stop the job (75)."""
     assert host.succession is not None
     known = host.succession.known
     lost_at = host.address
+    paused = clock.paused_within(_PAUSED_S)
     result = host.succession.move()
+    clock.restart()  # the move's wait was no pause of this agent
     if isinstance(result, NotMoved):
-        return ev.NoMajority(error=error, reason=result.reason, host_dead=result.host_dead)
+        return ev.NoMajority(error=error, reason=result.reason, host_dead=result.host_dead and not paused)
     host.moved(result.endpoint, hosting=result.hosting)
     announce(path, result.endpoint)
     membership.after_move(host.store, result, supervised=supervised)

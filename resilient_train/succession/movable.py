@@ -45,10 +45,12 @@ class _Call:
 
 
 class _Conn:
-    """One client connection of one epoch, and the thread that makes its calls."""
+    """One client connection of one epoch, and the thread that makes its calls; it connects on that thread
+    too (a stopped host takes the connection into its backlog and never answers the client's handshake)."""
 
-    def __init__(self, store: dist.Store, epoch: int) -> None:
-        self.store, self.epoch = store, epoch
+    def __init__(self, connect: Callable[[], dist.Store], epoch: int) -> None:
+        self._connect, self.epoch = connect, epoch
+        self.store: dist.Store | None = None
         self.dead: str | None = None
         self._calls: queue.Queue[_Call | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name=f"rt-store-e{epoch}", daemon=True)
@@ -65,6 +67,8 @@ class _Conn:
             if call is None:
                 return
             try:
+                if self.store is None:
+                    self.store = self._connect()
                 call.result = call.fn()
             except BaseException as e:  # noqa: BLE001  (handed to the caller)
                 call.error = e
@@ -158,7 +162,7 @@ class MovableStore(dist.Store):
                 if conn is not None:
                     conn.close()
                 self._holder.conn = None
-                conn = self._holder.conn = _Conn(self.location.connect(endpoint), endpoint.epoch)
+                conn = self._holder.conn = _Conn(lambda: self.location.connect(endpoint), endpoint.epoch)
             if conn.dead is not None:
                 raise StoreLost(conn.dead)
             return conn
@@ -166,9 +170,10 @@ class MovableStore(dist.Store):
     def _call(self, name: str, fn: Callable[[dist.Store], Any], *, blocking_s: float = 0.0) -> Any:
         conn = self._connection()
         timeout = self._timeout
-        call = conn.submit(lambda: _timed(conn.store, timeout, fn) if blocking_s else fn(conn.store))
+        call = conn.submit(lambda: _timed(conn.store, timeout, fn) if blocking_s else fn(conn.store))  # type: ignore[arg-type]
         self.calls += 1
-        deadline = time.monotonic() + blocking_s + self.location.call_timeout_s
+        # A first call connects too: TCPStore's connect retries until its timeout (call_timeout_s), twice.
+        deadline = time.monotonic() + blocking_s + self.location.call_timeout_s * (1 if conn.store else 3)
         while not call.done.wait(_SLICE_S):
             if self.location.epoch != conn.epoch:
                 conn.dead = f"the store moved to {self.location.endpoint} during a {name}"
@@ -179,7 +184,7 @@ class MovableStore(dist.Store):
                 raise StoreLost(conn.dead)
         if call.error is None:
             return call.result
-        if isinstance(call.error, dist.DistNetworkError):
+        if isinstance(call.error, (dist.DistNetworkError, StoreLost)):
             conn.dead = str(call.error).splitlines()[0][:200] or type(call.error).__name__
             raise StoreLost(conn.dead) from None
         raise call.error

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import pytest
 

@@ -50,7 +50,8 @@ def _verify_every_checkpoint(run_dir) -> list[int]:
     p = subprocess.run([sys.executable, "-m", "resilient_train.cli", "ckpt", "verify", str(root)], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
-    steps = sorted(int(line.split("(step ")[1].split(",")[0]) for line in p.stdout.splitlines() if line.startswith("OK"))
+    steps = sorted(int(line.split("(step ")[1].split(",")[0]) for line in p.stdout.splitlines()
+                   if line.startswith("OK"))
     assert (root / "latest").read_text().strip() == f"step-{steps[-1]}", steps
     return steps
 
@@ -165,6 +166,7 @@ def test_an_elastic_job_that_loses_node_0_shrinks_and_ends_bitwise(cluster, tmp_
         assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
     events = job.events()
     shrunk = [e for e in events if e["event"] == "width_changed" and e["processes"] == 2]
-    assert shrunk and shrunk[-1]["members"] == [1, 2] and sorted(shrunk[-1]["logical"]["1"] + shrunk[-1]["logical"]["2"]) == [0, 1, 2]
+    assert shrunk and shrunk[-1]["members"] == [1, 2]
+    assert sorted(shrunk[-1]["logical"]["1"] + shrunk[-1]["logical"]["2"]) == [0, 1, 2]
     d = ckpt_diff(ref.run_dir / "final", job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr

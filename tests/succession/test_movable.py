@@ -70,6 +70,10 @@ def test_a_call_to_a_stopped_host_ends_by_its_deadline_and_a_move_reconnects():
         assert time.monotonic() - t0 < 10
         with pytest.raises(StoreLost):
             store.set("b", "2")  # at once: the connection is lost until the store moves
+        t0 = time.monotonic()
+        with pytest.raises(StoreLost):  # a new connection to the stopped host: its handshake is never answered
+            MovableStore(location).check(["a"])
+        assert time.monotonic() - t0 < 15
         successor = _server()
         location.move(Endpoint("127.0.0.1", successor.port, 1))
         store.set("b", "2")
