@@ -51,8 +51,8 @@ RT_NODE = "RT_NODE"  # many nodes: the node the worker's agent serves
 RT_NODE_INCARNATION = "RT_NODE_INCARNATION"  # many nodes: that agent's incarnation of the node (resilient_train.fence)
 RT_JOB_TOKEN = "RT_JOB_TOKEN"  # the job's secret: its keys in the store live under a namespace derived from it
 RT_TEST_CORRUPT_BUDDY = "RT_TEST_CORRUPT_BUDDY"  # tests: "RANK@STEP" flips a bit of the buddy copy RANK receives at STEP
-RT_REPRODUCIBLE = "RT_REPRODUCIBLE"  # "1": SupervisorConfig(reproducible=True) by default (the chaos runner sets it)
-RT_FORCE_REDUCTION = "RT_FORCE_REDUCTION"  # "1": SupervisorConfig(force_reduction=True) by default (benchmarks)
+RT_REPRODUCIBLE = "RT_REPRODUCIBLE"  # "1" in the agent's environment: supervisor.reproducible in the run config (chaos runner)
+RT_FORCE_REDUCTION = "RT_FORCE_REDUCTION"  # "1" in the agent's environment: supervisor.force_reduction (benchmarks)
 RT_ELASTIC = "RT_ELASTIC"  # "1": an elastic job (--nnodes MIN:MAX): WORLD_SIZE logical ranks on the live processes
 
 
