@@ -304,18 +304,38 @@ def _committed(run_dir: Path) -> list[str]:
     return sorted((p.name for p in (run_dir / "checkpoints").glob("step-*")), key=lambda n: int(n.split("-")[1]))
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("example", ["gpt", "ddp"])
-def test_a_checkpoint_flag_takes_effect_with_the_examples(tmp_path: Path, example: str) -> None:
-    """``--checkpoint.interval=10`` and nothing else: the examples leave the checkpoint out when their own flag
-    is not given, so the run config's section is the one used (train_gpt passed ``checkpoint=None``, which won,
-    and wrote nothing; train_ddp's ranks died: the section lacked the supervisor's own ``local`` key)."""
-    from jobs import run_ddp, run_gpt
+_SMALL_FSDP = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--dataset",
+               "256", "--log-every", "0", "--reproducible"]
+# Every example, with its own small sizes: the run config's checkpoint section must take effect in each
+# (train_ddp.py: tests/docs/test_docs_commands.py runs the README's command, the same run config at interval 20).
+EXAMPLES = {
+    "gpt": ("train_gpt.py", ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4",
+                             "--log-every", "0", "--reproducible"]),
+    "fsdp": ("train_fsdp.py", [*_SMALL_FSDP, "--buddy-every", "1"]),
+    "tp": ("train_tp.py", [*_SMALL_FSDP, "--tp", "2"]),
+    "megatron": ("train_megatron_gpt.py", ["--arch", "mlp", "--hidden", "32", "--layers", "2", "--seq-len", "16",
+                                           "--vocab", "64", "--batch", "4", "--reproducible", "--backend", "gloo"]),
+}
 
-    run = run_gpt if example == "gpt" else run_ddp
-    job = run(tmp_path / "run", nproc=2, steps=20, agent_args=["--no-spare", "--checkpoint.interval=10"])
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_the_run_configs_checkpoint_takes_effect_with_every_example(tmp_path: Path, example: str) -> None:
+    """``--config examples/run.yaml --checkpoint.interval=2`` and nothing else: every example leaves the
+    checkpoint out when its own flag is not given, so the run config's section is the one used (train_gpt,
+    train_fsdp and train_tp passed ``checkpoint=None``, which won, and wrote nothing; train_ddp's ranks died: the
+    section lacked the supervisor's own ``local`` key)."""
+    from jobs import run_script
+
+    if example == "megatron":
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install "
+                                                    "'resilient-train[megatron]')")
+    script, small = EXAMPLES[example]
+    job = run_script(tmp_path / "run", REPO / "examples" / script, ["--steps", "4", *small], nproc=2, timeout=200,
+                     agent_args=["--no-spare", "--config", str(REPO / "examples" / "run.yaml"),
+                                 "--checkpoint.interval=2"])
     assert job.returncode == 0, job.stderr[-3000:]
-    assert _committed(job.run_dir) == ["step-10", "step-20"]
+    assert _committed(job.run_dir) == ["step-2", "step-4"]
     assert "is not used" not in job.stderr, job.stderr
 
 
