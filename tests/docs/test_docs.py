@@ -76,12 +76,11 @@ def test_every_snippet_is_tested() -> None:
 
 @pytest.mark.timeout(60)
 def test_every_test_the_registry_names_exists() -> None:
-    commands = HERE / "test_docs_commands.py"
     for key, how in REGISTRY.items():
-        if isinstance(how, Runs):
-            ref = f"{'tests/docs/test_docs.py' if _test_exists(f'tests/docs/test_docs.py::{how.test}') else commands.relative_to(REPO)}::{how.test}"
-        else:
-            ref = how.test
+        ref = how.test
+        if isinstance(how, Runs):  # a test of tests/docs: here, or among the long runs
+            here = f"tests/docs/test_docs.py::{how.test}"
+            ref = here if _test_exists(here) else f"tests/docs/test_docs_commands.py::{how.test}"
         assert _test_exists(ref), f"{key!r}: no test {ref}"
         if isinstance(how, Runs):  # it takes the snippet from the docs: documented(COMMAND) or block(KEY)
             source = " ".join(_test_source(ref).split()).replace('" "', "")  # implicit concatenation joined
@@ -247,7 +246,8 @@ def test_the_ci_runs_the_readmes_test_command() -> None:
 
 # ------------------------------------------------------------- the layout
 def _layout_row() -> str:
-    (row,) = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `resilient_train/` |")]
+    lines = (REPO / "README.md").read_text().splitlines()
+    (row,) = [line for line in lines if line.startswith("| `resilient_train/` |")]
     return row
 
 
