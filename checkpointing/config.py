@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from monitors.runfile import file_defaults
 
 __all__ = ["AsyncMode", "CheckpointConfig", "InFlightPolicy"]
 
@@ -22,7 +21,6 @@ class InFlightPolicy(str, Enum):
     SKIP = "skip"  # ... or is skipped (and logged)
 
 
-@file_defaults("checkpoint")
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Where and how often to checkpoint, what to keep, and how saves overlap training.

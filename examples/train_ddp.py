@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, reproducible=args.reproducible))  # rt:
+    own = {"reproducible": True} if args.reproducible else {}  # rt: a flag not given leaves the run config's
+    sup = rt.Supervisor(rt.SupervisorConfig.from_run_config(steps=args.steps, **own))  # rt:
     rank, world, device = sup.env.rank, sup.env.world_size, sup.device  # rt:
     cfg = GPTConfig(d_model=args.d_model, layers=args.layers, heads=args.heads, seq_len=args.seq_len)
 

@@ -121,10 +121,11 @@ def schedule(args: argparse.Namespace) -> Callable[[int], float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # Without --reproducible the config's default stands (RT_REPRODUCIBLE=1: the chaos runner's bitwise verdicts).
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, buddy_every=args.buddy_every or None,  # rt:
-                                            checkpoint=checkpoints(args),
-                                            **({"reproducible": True} if args.reproducible else {})))
+    # Only what this script's flags set is passed: the rest is the run config's (--config FILE,
+    # --checkpoint.interval=N; the chaos runner's supervisor.reproducible), else the fields' defaults.
+    own = {k: v for k, v in (("buddy_every", args.buddy_every or None), ("checkpoint", checkpoints(args)),
+                             ("reproducible", args.reproducible or None)) if v is not None}
+    sup = rt.Supervisor(rt.SupervisorConfig.from_run_config(steps=args.steps, **own))  # rt:
     rank, world, device = sup.env.rank, sup.env.world_size, sup.device  # rt:
     model, batch_at = build(args, rank=rank, world=world, device=device)
     sharded = sup.sharded(model, parallelize, mesh=mesh_spec(args.replicas))  # rt: instead of parallelize(model, mesh)

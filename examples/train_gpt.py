@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None, *,
     cfg = GPTConfig(d_model=args.d_model, layers=args.layers, heads=args.heads, seq_len=args.seq_len)
     run_dir = rt.WorkerEnv.from_environ().run_dir
     # Only what this script's flags set is passed: a field left out comes from the run config under
-    # `resilient-train run` (--config FILE, --checkpoint.interval=N, ...), else from its default. A field
-    # passed wins over the run config, and the runtime says so once.
+    # `resilient-train run` (--config FILE, --checkpoint.interval=N, ...), else from its default
+    # (SupervisorConfig.from_run_config). A field passed wins over the run config, and the runtime says so once.
     own: dict = {}
     if args.ckpt_every and run_dir:
         own["checkpoint"] = default_checkpoint_config(run_dir, args.ckpt_every, mode=args.ckpt_mode)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None, *,
         own["preemption"] = args.preemption
     if args.reproducible:
         own["reproducible"] = True
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, **own))
+    sup = rt.Supervisor(rt.SupervisorConfig.from_run_config(steps=args.steps, **own))
     if sup.env.replacement:
         # A replacement takes its weights from a peer: skip initialisation.
         with torch.device("meta"):

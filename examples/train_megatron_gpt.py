@@ -192,8 +192,8 @@ def main_supervised(args: argparse.Namespace, m: ModelArgs) -> int:
     import resilient_train as rt
     from resilient_train.integrations import megatron as rtm
 
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, backend=args.backend,
-                                            **({"reproducible": True} if args.reproducible else {})))
+    sup = rt.Supervisor(rt.SupervisorConfig.from_run_config(  # the run config's, with what this script's flags set
+        steps=args.steps, backend=args.backend, **({"reproducible": True} if args.reproducible else {})))
     parallel = rtm.attach(sup)  # TP = PP = 1: every rank a data-parallel replica
     model = build_model(m, parallel.groups, sup.device, args.seed)
     parallel.track(model)

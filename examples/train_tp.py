@@ -76,8 +76,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sup = rt.Supervisor(rt.SupervisorConfig(steps=args.steps, checkpoint=checkpoints(args),  # rt:
-                                            **({"reproducible": True} if args.reproducible else {})))
+    # Only what this script's flags set is passed: the rest is the run config's (--checkpoint.interval=N, ...).
+    own = {k: v for k, v in (("checkpoint", checkpoints(args)), ("reproducible", args.reproducible or None))
+           if v is not None}
+    sup = rt.Supervisor(rt.SupervisorConfig.from_run_config(steps=args.steps, **own))  # rt:
     rank, world, device = sup.env.rank, sup.env.world_size, sup.device  # rt:
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide {world} ranks")

@@ -12,12 +12,11 @@ the fields' type hints (``resilient_train.runconfig`` composes the root):
 * :func:`renamed` keeps a field's old name working for one release (a
   ``DeprecationWarning``, once per name and process);
 * :data:`RT_RUN_CONFIG` names the run config file the agent hands its ranks
-  (:mod:`monitors.runfile` reads it).
+  (:mod:`monitors.runfile` reads it, when a script asks: no class here reads it).
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import enum
 import functools
@@ -36,13 +35,10 @@ from monitors.configfile import (
     require_str,
 )
 
-__all__ = ["FROM_FILE", "RT_RUN_CONFIG", "RunConfigVariableError", "build", "build_kwargs", "convert", "dataclass_in", "field_default",
+__all__ = ["RT_RUN_CONFIG", "RunConfigVariableError", "build", "build_kwargs", "convert", "dataclass_in", "field_default",
            "hints", "leaf_keys", "parse_text", "renamed", "set_key", "to_plain", "type_at", "type_name"]
 
-RT_RUN_CONFIG = "RT_RUN_CONFIG"  # the run config file (YAML) the agent wrote; ranks default their configs from it
-# Whether a config built now takes the fields its caller leaves out from that file (monitors.runfile): off while
-# a field's own default is computed (``--help``, the docs), which must not depend on the environment.
-FROM_FILE: contextvars.ContextVar[bool] = contextvars.ContextVar("rt_defaults_from_file", default=True)
+RT_RUN_CONFIG = "RT_RUN_CONFIG"  # the run config file (YAML) the agent wrote for its ranks (monitors.runfile)
 
 
 class RunConfigVariableError(ValueError):
@@ -105,16 +101,11 @@ def leaf_keys(root: type, *, skip: Iterable[str] = (), prefix: str = "") -> list
 
 
 def field_default(f: dataclasses.Field) -> Any:
-    """The field's own default: never one a run config file would give (``--help`` and the docs must not
-    depend on the environment, which may name a file that is gone)."""
+    """The field's own default (``MISSING`` for a required field)."""
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
-        token = FROM_FILE.set(False)
-        try:
-            return f.default_factory()
-        finally:
-            FROM_FILE.reset(token)
+        return f.default_factory()
     return dataclasses.MISSING
 
 
@@ -223,8 +214,6 @@ def build(cls: type[T], data: Any, key: str, *, skip: Iterable[str] = (), root: 
     kwargs = build_kwargs(cls, data, key, skip=skip, root=root)
     try:
         return cls(**kwargs)
-    except RunConfigVariableError:
-        raise
     except ValueError as e:
         raise ValueError(_keyed(cls, key, str(e))) from None
     except TypeError as e:

@@ -31,7 +31,6 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-from monitors.runfile import file_defaults
 
 # Sections that end before the step's gradient all-reduce is queued. Closing an NVRx section disables
 # CUPTI's kernel activity, which waits for the kernels in flight: with an all-reduce queued behind a dead
@@ -41,7 +40,6 @@ PRE_COLLECTIVE_SECTIONS: tuple[str, ...] = ("data", "forward", "backward")
 __all__ = ["CuptiConfig", "CuptiKernelScores", "nvrx_installed", "unavailable_reason"]
 
 
-@file_defaults("supervisor.cupti")
 @dataclass(kw_only=True)
 class CuptiConfig:
     report_every_steps: int = 100  # every rank reports its kernel scores every N steps

@@ -3,9 +3,11 @@
 Wrap an existing loop::
 
     state = resilient_train.TrainState(model=model, optimizer=optimizer)
-    resilient_train.Supervisor(resilient_train.SupervisorConfig(steps=1000)).run(train_step, state)
+    config = resilient_train.SupervisorConfig.from_run_config(steps=1000)  # the run's config, these steps
+    resilient_train.Supervisor(config).run(train_step, state)
 
-Every config class is here: ``RunConfig`` composes the sections (README, "Configuration").
+Every config class is here: ``RunConfig`` composes the sections (README, "Configuration"); a config is what its
+constructor was given, and ``SupervisorConfig.from_run_config`` is where a rank takes the run's.
 """
 
 from typing import TYPE_CHECKING

@@ -61,8 +61,8 @@ def _cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     except AgentError as e:  # bad input: a port in use, a run directory that is not writable
         print(f"resilient-train: error: {e}", file=sys.stderr)
         return 2
-    # The effective config, for the record and for the ranks: their configs default from it (RT_RUN_CONFIG,
-    # read when a worker spawns, after this).
+    # The effective config, for the record and for the ranks, whose scripts take it with
+    # SupervisorConfig.from_run_config (RT_RUN_CONFIG, set for every worker spawned after this).
     path = run.write(agent.run_dir / run_config_name(config))
     config.env[RT_RUN_CONFIG] = str(path.resolve())
     # c10d's C++ warnings from the agent's own store connections, one per connection when node 0 goes, each

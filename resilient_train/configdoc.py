@@ -135,7 +135,8 @@ def yaml_example() -> str:
         "# The run config of `resilient-train run --config examples/run.yaml SCRIPT`: every section and field,",
         "# with its default (generated: python -m resilient_train.configdoc --yaml > examples/run.yaml).",
         "# Flags win over this file: torchrun's and ours (--nproc-per-node, ...), then --SECTION.FIELD=VALUE.",
-        "# In the ranks a field the script passes wins over this file (RUN_DIR/run-config.yaml, RT_RUN_CONFIG).",
+        "# The ranks take it through SupervisorConfig.from_run_config (RUN_DIR/run-config.yaml, RT_RUN_CONFIG),",
+        "# where a field the script passes wins over this file.",
     ]
     for name, cls in SECTIONS.items():
         out.append("")

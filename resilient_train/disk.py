@@ -38,17 +38,17 @@ __all__ = ["DiskCheckpoints", "default_checkpoint_config"]
 
 LOCAL_KEY = "local"
 LOGICAL_KEY = "logical"  # an elastic job's checkpoint: {logical rank: its local state}, written once
-DEFAULT_TIMEOUT_S = 120.0  # of a save's write and of its commit (CheckpointConfig.timeout_s)
+DEFAULT_TIMEOUT_S: float = CheckpointConfig.timeout_s  # of a save's every wait, when no checkpoint is configured
 
 
 def default_checkpoint_config(run_dir: str | Path, every: int, *, mode: str = "process") -> CheckpointConfig:
-    """Saves every ``every`` steps under RUN_DIR/checkpoints; a save that would
-    wait for the previous one is skipped (and logged) rather than stall training.
-    ``mode="disabled"`` makes every save block until committed."""
-    return CheckpointConfig(
-        directory=Path(run_dir) / "checkpoints", interval=every, keep_last=2, in_flight="skip",
-        local_keys=(LOCAL_KEY,), timeout_s=DEFAULT_TIMEOUT_S, async_mode=mode,
-    )
+    """Saves every ``every`` steps under RUN_DIR/checkpoints: the supervisor's one preset, what a run config's
+    ``checkpoint`` section with ``interval: every`` gives (``--checkpoint.interval=N``), the fields' defaults
+    otherwise. A save asked for while the previous one is in flight waits for it (``in_flight="wait"``): the
+    interval is the most steps a resume can lose, and a slow disk shows as a stall (its ``checkpoint_waiting``
+    event) instead of checkpoints silently skipped. ``mode="disabled"`` makes every save block until committed.
+    The supervisor adds its own per-rank entry (:data:`LOCAL_KEY`) to any config's ``local_keys``."""
+    return CheckpointConfig(directory=Path(run_dir) / "checkpoints", interval=every, async_mode=mode)
 
 
 class DiskCheckpoints:

@@ -57,8 +57,8 @@ RT_STORE_EPOCH = "RT_STORE_EPOCH"  # many nodes: the epoch of the store at MASTE
 RT_STORE_CALL_S = "RT_STORE_CALL_S"  # many nodes: a store call's deadline (the host may stop without closing)
 RT_JOB_TOKEN = "RT_JOB_TOKEN"  # the job's secret: its keys in the store live under a namespace derived from it
 RT_TEST_CORRUPT_BUDDY = "RT_TEST_CORRUPT_BUDDY"  # tests: "RANK@STEP" flips a bit of the buddy copy RANK receives at STEP
-RT_REPRODUCIBLE = "RT_REPRODUCIBLE"  # "1": SupervisorConfig(reproducible=True) by default (the chaos runner sets it)
-RT_FORCE_REDUCTION = "RT_FORCE_REDUCTION"  # "1": SupervisorConfig(force_reduction=True) by default (benchmarks)
+RT_REPRODUCIBLE = "RT_REPRODUCIBLE"  # "1" in the agent's environment: supervisor.reproducible in the run config (chaos runner)
+RT_FORCE_REDUCTION = "RT_FORCE_REDUCTION"  # "1" in the agent's environment: supervisor.force_reduction (benchmarks)
 RT_ELASTIC = "RT_ELASTIC"  # "1": an elastic job (--nnodes MIN:MAX): WORLD_SIZE logical ranks on the live processes
 
 

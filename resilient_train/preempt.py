@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from monitors.runfile import file_defaults
 from resilient_train import exitcodes
 from resilient_train.shutdown import EXIT_RESERVE_S, auto_grace, check_seconds, publish_grace, record_preempted
 
@@ -53,7 +52,6 @@ JOIN_WAIT_S = 5.0
 _RESERVED = {"SIGUSR2": "the agent asks a hung rank for its stacks with it (monitors.stacks)"}
 
 
-@file_defaults("preemption")
 @dataclass(frozen=True, kw_only=True)
 class PreemptionConfig:
     # Each one asks for a stop at the next boundary: Ctrl-C, a closed terminal (SIGHUP) and Ctrl-\ (SIGQUIT) too,

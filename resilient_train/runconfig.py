@@ -21,9 +21,9 @@ object: the root keeps them one (:data:`LINKS`). Every duration ends in ``_s``.
 ``resilient-train run`` builds one from ``--config FILE``, then torchrun's and
 the older flags, then ``--SECTION.FIELD=VALUE`` (each layer wins over the one
 before), writes it to ``RUN_DIR/run-config.yaml`` and names that file to its
-ranks (``RT_RUN_CONFIG``): there ``SupervisorConfig``, ``CheckpointConfig``,
-``RerunConfig``, ``PreemptionConfig`` and ``CuptiConfig`` take the file's
-value for each field the script leaves out; a value the script passes wins.
+ranks (``RT_RUN_CONFIG``). A rank takes it in one place, when the script asks:
+``SupervisorConfig.from_run_config(**given)`` (``rt.Supervisor()`` with no
+config does); no config class reads it in its constructor.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import yaml
 from checkpointing import CheckpointConfig
 from monitors import MonitorConfig
 from monitors.configfile import load_config_file
-from monitors.configtree import (RunConfigVariableError, build, convert, dataclass_in, leaf_keys, parse_text, set_key,
+from monitors.configtree import (build, convert, dataclass_in, leaf_keys, parse_text, set_key,
                                  to_plain, type_at)
 from monitors.dashboard.server import DashboardConfig
 from resilient_train.agent.config import AgentConfig
-from resilient_train.config import SupervisorConfig
+from resilient_train.config import ROOT_SECTIONS, SupervisorConfig
 from resilient_train.preempt import PreemptionConfig
 from resilient_train.rerun import RerunConfig
 
@@ -51,7 +51,7 @@ __all__ = ["LINKS", "PYTHON_ONLY", "RUN_CONFIG_FILE", "RunConfig"]
 RUN_CONFIG_FILE = "run-config.yaml"  # in the run directory: the effective config, as the ranks read it
 # A component's field that is a section of the root: (component.field) -> section.
 LINKS: dict[str, str] = {
-    **{f"supervisor.{name}": section for name, section in SupervisorConfig.__run_config__[1].items()},
+    **{f"supervisor.{name}": section for name, section in ROOT_SECTIONS.items()},
     "agent.monitor": "monitors",
     "agent.dashboard": "dashboard",
 }
@@ -106,8 +106,6 @@ class RunConfig:
                 run_dir = agent.get("run_dir", AgentConfig.run_dir) if isinstance(agent, dict) else AgentConfig.run_dir
                 data = {**data, "checkpoint": {**ckpt, "directory": str(Path(str(run_dir)) / "checkpoints")}}
             return build(cls, data, "", skip=SKIP)
-        except RunConfigVariableError:
-            raise
         except ValueError as e:
             raise ValueError(f"{label}: {e}") from None
 

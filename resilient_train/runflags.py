@@ -2,7 +2,10 @@
 
 Each layer wins over the one before it, field by field:
 
-1. the fields' defaults (``python -m resilient_train.configdoc``);
+1. the fields' defaults (``python -m resilient_train.configdoc``), with
+   ``RT_REPRODUCIBLE=1`` and ``RT_FORCE_REDUCTION=1`` in the agent's environment
+   setting ``supervisor.reproducible`` and ``supervisor.force_reduction``
+   (the chaos runner's bitwise verdicts; benchmarks);
 2. ``--config FILE`` (YAML, every section);
 3. srun's environment (nodes, node rank, node 0, the job id), where the file
    does not say;
@@ -18,11 +21,13 @@ field's). The result is checked once, as a whole; a mistake is one line.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from monitors import MonitorConfig
 from monitors.configfile import load_config_file
 from monitors.configtree import set_key
+from resilient_train import env as envvars
 from resilient_train.launch import RC, add_run_arguments, agent_fields
 from resilient_train.runconfig import RunConfig
 
@@ -51,6 +56,7 @@ def run_config(args: argparse.Namespace, argv: list[str]) -> RunConfig:
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"--config {args.config!r}: must be a mapping of sections, got {type(loaded).__name__}")
         data = dict(loaded or {})
+    _environment_defaults(data)
     base = data.get("agent")
     base = dict(base) if isinstance(base, dict) else ({} if base is None else base)
     if isinstance(base, dict):
@@ -86,3 +92,12 @@ def _merged(under: Any, over: dict[str, Any]) -> Any:
     for k, v in over.items():
         out[k] = _merged(out.get(k), v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def _environment_defaults(data: dict[str, Any]) -> None:
+    """``RT_REPRODUCIBLE=1`` / ``RT_FORCE_REDUCTION=1``: the supervisor's field, where the file does not say."""
+    for variable, name in ((envvars.RT_REPRODUCIBLE, "reproducible"), (envvars.RT_FORCE_REDUCTION, "force_reduction")):
+        section = data.get("supervisor")
+        if os.environ.get(variable) == "1" and (section is None or isinstance(section, dict)):
+            if name not in (section or {}):
+                data["supervisor"] = {**(section or {}), name: True}

@@ -27,7 +27,7 @@ from monitors.stacks import install_stack_dump
 from resilient_train import env as envvars
 from resilient_train.assemble import build_parts, make_reproducible, preemption_disk
 from resilient_train.buddy import BuddyCopies
-from resilient_train.config import SupervisorConfig
+from resilient_train.config import SupervisorConfig, say_unused_run_config
 from resilient_train.context import StepContext, StepFn
 from resilient_train.ddp import ReplicatedModule, adopt_user_ddp, explain_ddp_before_run
 from resilient_train.disk import DEFAULT_TIMEOUT_S, DiskCheckpoints
@@ -59,10 +59,11 @@ _S = SupervisorState
 
 
 class Supervisor:
-    def __init__(self, config: SupervisorConfig, *, env: envvars.WorkerEnv | None = None) -> None:
-        self.config = config
+    def __init__(self, config: SupervisorConfig | None = None, *, env: envvars.WorkerEnv | None = None) -> None:
+        self.config = config = SupervisorConfig.from_run_config() if config is None else config  # None: the run's
         if config.steps is None:
             raise UsageError("SupervisorConfig.steps is not set: pass steps=N, or set supervisor.steps in the run config")
+        say_unused_run_config(config)
         self.env = env or envvars.WorkerEnv.from_environ()
         if config.reproducible:
             # cuBLAS is deterministic only with a fixed workspace, set before its first use.
@@ -319,9 +320,8 @@ class Supervisor:
 
     def _publish_grace(self) -> float:
         """This rank's preemption grace, in the store for its agent whenever it changes."""
-        d = self.disk
-        return self.preemption.publish_grace(self.store, self.env.rank, d.longest_save_s if d else 0.0,
-                                             d.config.timeout_s if d is not None else DEFAULT_TIMEOUT_S)
+        longest, timeout = (d.longest_save_s, d.config.timeout_s) if (d := self.disk) else (0.0, DEFAULT_TIMEOUT_S)
+        return self.preemption.publish_grace(self.store, self.env.rank, longest, timeout)
 
     def _finish(self) -> SupervisorState:
         self.stepper.enter("checkpoint", self.state.step)  # waiting for every rank, then for the final state

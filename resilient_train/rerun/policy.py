@@ -25,7 +25,6 @@ from enum import Enum
 from typing import Iterable
 
 from monitors import exitcodes
-from monitors.runfile import file_defaults
 from resilient_train.rerun.validators import Check, StepResult, ValidatorSet
 
 __all__ = [
@@ -54,7 +53,6 @@ class OnGenuine(str, Enum):
     STOP = "stop"  # save the last good state, report, exit 17
 
 
-@file_defaults("rerun", skip=("checks",))
 @dataclass(kw_only=True)
 class RerunConfig:
     mode: RerunMode = RerunMode.DISABLED  # validate_results: check every step; report_determinism_stats: re-run some

@@ -72,10 +72,13 @@ def _bad_run_configs(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_bad_run_config_variable_is_one_line_naming_it_and_help_never_reads_it(tmp_path):
+def test_a_run_config_variable_left_in_the_shell_is_read_neither_by_help_nor_by_the_agent(tmp_path):
     """An RT_RUN_CONFIG left in the user's shell (the agent sets it for its ranks) that names no run config:
-    ``--help`` works without it; a command that reads it says so in one line, naming it, exit 2."""
-    from oneline import assert_one_line_exit_2, cli as isolated
+    ``--help`` works without it, and so does ``run``: no config class reads it (issue 34), and the ranks get
+    the agent's own file."""
+    import json
+
+    from oneline import cli as isolated
 
     from jobs import REPO
 
@@ -83,21 +86,21 @@ def test_a_bad_run_config_variable_is_one_line_naming_it_and_help_never_reads_it
     for help_args in (["--help"], ["run", "--help"]):
         r = isolated(*help_args, env=env, timeout=60)
         assert r.returncode == 0 and "usage: resilient-train" in r.stdout and not r.stderr, r.stderr
-    hold = REPO / "tests" / "runtime" / "hold_script.py"
-    r = isolated("run", "--no-spare", "--run-dir", str(tmp_path / "run"), str(hold), env=env, input="\n", timeout=60)
-    assert assert_one_line_exit_2(r) == (
-        f"resilient-train: error: run config $RT_RUN_CONFIG {env['RT_RUN_CONFIG']!r} must be a mapping of sections, "
-        "got a string (the agent sets $RT_RUN_CONFIG for its ranks: unset it to run without)")
+    script = REPO / "tests" / "runtime" / "print_config_script.py"
+    r = isolated("run", "--no-spare", "--run-dir", str(tmp_path / "run"), str(script), env=env, timeout=90)
+    assert r.returncode == 0, r.stderr
+    (line,) = [json.loads(s) for s in r.stdout.splitlines() if s.startswith("{")]
+    assert line["run_config"] == str((tmp_path / "run" / "run-config.yaml").resolve())
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["words", "broken-yaml", "gone", "a-directory"])
 def test_every_bad_run_config_variable_is_one_line_naming_it(tmp_path, case):
-    from monitors.runfile import file_section
+    from monitors.runfile import read_run_file
     from monitors.configtree import RunConfigVariableError
 
     path = _bad_run_configs(tmp_path)[case]
     with pytest.raises(RunConfigVariableError) as e:
-        file_section("supervisor", {"RT_RUN_CONFIG": str(path)})
+        read_run_file(environ={"RT_RUN_CONFIG": str(path)})
     text = str(e.value)
     assert "\n" not in text and "$RT_RUN_CONFIG" in text and repr(str(path)) in text and "unset it" in text, text

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from cliparsers import parsers as _parsers
 from jobs import GPT
-from monitors.cliargs import OneLineParser
 from oneline import assert_one_line_exit_2, cli
 from resilient_train.cli import main
 
-SUBCOMMANDS = ("run", "ckpt", "status", "straggler", "dashboard", "chaos")
 
 # Paths every row can use, made by the ``paths`` fixture: FILE a regular file, DIR a directory that is no
 # run, RUN a finished run's directory, UNDER_FILE a path below a regular file (never creatable),
@@ -246,38 +245,6 @@ _BASE = {
     ("chaos", "matrix"): (["--quick", "--out", "{TMP}/out", "--cache-dir", "{TMP}/cache"], []),
     ("chaos", "plan"): ([], ["kill"]),
 }
-
-
-class _Captured(Exception):
-    pass
-
-
-def _parsers() -> dict[tuple[str, ...], argparse.ArgumentParser]:
-    """Every (sub)command's parser, as each subcommand's main builds it (all must be OneLineParser)."""
-    found: dict[tuple[str, ...], argparse.ArgumentParser] = {}
-
-    def walk(p: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
-        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
-        if not subs:
-            found[path] = p
-        for a in subs:
-            for name, sp in a.choices.items():
-                walk(sp, path + (name,))
-
-    original = OneLineParser.parse_args
-
-    def grab(self: OneLineParser, *args: object, **kw: object) -> None:
-        raise _Captured(self)
-
-    OneLineParser.parse_args = grab  # type: ignore[method-assign]
-    try:
-        for cmd in SUBCOMMANDS:  # "run" first: the top-level parser (run, demo, placeholders for the rest)
-            with pytest.raises(_Captured) as got:
-                main([cmd])
-            walk(got.value.args[0], () if cmd == "run" else (cmd,))
-    finally:
-        OneLineParser.parse_args = original  # type: ignore[method-assign]
-    return found
 
 
 def _value_flags(parser: argparse.ArgumentParser) -> list[str]:

@@ -219,24 +219,45 @@ def test_bad_values_are_one_line_and_exit_2_from_the_real_command(tmp_path: Path
 
 # ------------------------------------------------------------ in the ranks
 @pytest.mark.timeout(60)
-def test_configs_in_a_rank_default_from_the_run_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = RunConfig(supervisor=rt.SupervisorConfig(steps=9, max_recoveries=2),
+def test_a_config_is_what_its_constructor_was_given_and_from_run_config_takes_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34: no constructor reads RT_RUN_CONFIG (``CheckpointConfig(directory=...)`` took the file's
+    ``keep_last``); the file reaches a rank through ``SupervisorConfig.from_run_config`` only, ``given`` over it."""
+    path = RunConfig(supervisor=rt.SupervisorConfig(steps=9, max_recoveries=2, reproducible=True),
                      checkpoint=rt.CheckpointConfig(directory=tmp_path / "ck", keep_last=5),
                      preemption=rt.PreemptionConfig(grace_s=33.0)).write(tmp_path / "run-config.yaml")
-    assert rt.SupervisorConfig().steps is None  # no RT_RUN_CONFIG: the fields' defaults
     monkeypatch.setenv(configtree.RT_RUN_CONFIG, str(path))
-    sup = rt.SupervisorConfig(max_recoveries=7)
-    assert (sup.steps, sup.max_recoveries) == (9, 7)  # the file's, and the script's over the file's
+    monkeypatch.setenv("RT_REPRODUCIBLE", "1")
+    assert rt.SupervisorConfig() == rt.SupervisorConfig(steps=None, reproducible=False, checkpoint=None)
+    assert rt.CheckpointConfig(directory="elsewhere").keep_last == 2  # the field's default, not the file's 5
+    assert rt.PreemptionConfig().grace_s is None and rt.RerunConfig() == rt.RerunConfig(mode="disabled")
+    sup = rt.SupervisorConfig.from_run_config(max_recoveries=7)
+    assert (sup.steps, sup.max_recoveries, sup.reproducible) == (9, 7, True)  # the file's, the script's over it
     assert sup.checkpoint == rt.CheckpointConfig(directory=tmp_path / "ck", keep_last=5)
-    assert sup.preemption.grace_s == 33.0 and rt.PreemptionConfig(grace_s=50.0).grace_s == 50.0
-    assert rt.SupervisorConfig(checkpoint=None).checkpoint is None  # passed: wins, even as None
-    assert rt.CheckpointConfig(directory="elsewhere").keep_last == 5
+    assert sup.preemption.grace_s == 33.0
+    assert rt.SupervisorConfig.from_run_config(checkpoint=None).checkpoint is None  # given: wins, even as None
+    own = rt.CheckpointConfig(directory="elsewhere")
+    assert rt.SupervisorConfig.from_run_config(checkpoint=own).checkpoint is own  # whole: no keep_last from the file
+    assert rt.SupervisorConfig.from_run_config(path) == rt.SupervisorConfig.from_run_config()
+    # What a script's own config leaves out of the run config is said (by the Supervisor, on rank 0).
+    from resilient_train.config import unused_run_config
+
+    run = rt.SupervisorConfig.from_run_config()
+    assert unused_run_config(run, run) == []
+    assert unused_run_config(rt.SupervisorConfig(steps=9, reproducible=True, preemption=sup.preemption), run) == [
+        "the run config's supervisor.max_recoveries=2 is not used: the script's SupervisorConfig has max_recoveries=32",
+        "the run config's checkpoint is not used: the script's SupervisorConfig has checkpoint=None"]
+    monkeypatch.delenv(configtree.RT_RUN_CONFIG)
+    assert rt.SupervisorConfig.from_run_config(steps=3) == rt.SupervisorConfig(steps=3)  # no run config: defaults
 
 
 @pytest.mark.timeout(60)
-def test_a_supervisor_needs_its_steps() -> None:
+def test_a_supervisor_needs_its_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(configtree.RT_RUN_CONFIG, raising=False)
     with pytest.raises(rt.UsageError, match="SupervisorConfig.steps is not set"):
         rt.Supervisor(rt.SupervisorConfig())
+    with pytest.raises(rt.UsageError, match="SupervisorConfig.steps is not set"):
+        rt.Supervisor()  # no config: the run config's, here none
 
 
 @pytest.mark.timeout(240)
@@ -269,13 +290,13 @@ def test_the_effective_config_reaches_every_rank(tmp_path: Path, fresh_warnings:
         assert sup["pg_timeout_s"] == 7.0  # the script's: it passed it
         assert sup["checkpoint"]["interval"] == 4 and sup["checkpoint"]["keep_last"] == 5  # file, then the flag
         assert sup["checkpoint"]["directory"] == str(run_dir / "checkpoints")
-        assert sup["preemption"]["grace_s"] == 30.0 == d["preemption"]["grace_s"]
-        assert d["own_checkpoint"]["directory"] == "elsewhere" and d["own_checkpoint"]["keep_last"] == 5
+        assert sup["preemption"]["grace_s"] == 30.0 and d["preemption"]["grace_s"] is None  # the constructor's
+        assert d["own_checkpoint"]["directory"] == "elsewhere" and d["own_checkpoint"]["keep_last"] == 2
     # The script's pg_timeout_s wins over the file's: said once (rank 0), not per rank.
     said = [line for line in r.stderr.splitlines() if "is not used" in line]
-    assert said == ["resilient-train: the run config's supervisor.pg_timeout_s=99.0 is not used: the script passes "
-                    "SupervisorConfig(pg_timeout_s=7.0), which wins (leave pg_timeout_s out to take the run config's)"
-                    ], r.stderr
+    assert said == ["resilient-train: the run config's supervisor.pg_timeout_s=99.0 is not used: the script's "
+                    "SupervisorConfig has pg_timeout_s=7.0, which wins (SupervisorConfig.from_run_config(...) takes "
+                    "the run config's for every field not passed to it)"], r.stderr
     assert os.environ.get(configtree.RT_RUN_CONFIG) is None
 
 
@@ -283,18 +304,38 @@ def _committed(run_dir: Path) -> list[str]:
     return sorted((p.name for p in (run_dir / "checkpoints").glob("step-*")), key=lambda n: int(n.split("-")[1]))
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("example", ["gpt", "ddp"])
-def test_a_checkpoint_flag_takes_effect_with_the_examples(tmp_path: Path, example: str) -> None:
-    """``--checkpoint.interval=10`` and nothing else: the examples leave the checkpoint out when their own flag
-    is not given, so the run config's section is the one used (train_gpt passed ``checkpoint=None``, which won,
-    and wrote nothing; train_ddp's ranks died: the section lacked the supervisor's own ``local`` key)."""
-    from jobs import run_ddp, run_gpt
+_SMALL_FSDP = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4", "--dataset",
+               "256", "--log-every", "0", "--reproducible"]
+# Every example, with its own small sizes: the run config's checkpoint section must take effect in each
+# (train_ddp.py: tests/docs/test_docs_commands.py runs the README's command, the same run config at interval 20).
+EXAMPLES = {
+    "gpt": ("train_gpt.py", ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4",
+                             "--log-every", "0", "--reproducible"]),
+    "fsdp": ("train_fsdp.py", [*_SMALL_FSDP, "--buddy-every", "1"]),
+    "tp": ("train_tp.py", [*_SMALL_FSDP, "--tp", "2"]),
+    "megatron": ("train_megatron_gpt.py", ["--arch", "mlp", "--hidden", "32", "--layers", "2", "--seq-len", "16",
+                                           "--vocab", "64", "--batch", "4", "--reproducible", "--backend", "gloo"]),
+}
 
-    run = run_gpt if example == "gpt" else run_ddp
-    job = run(tmp_path / "run", nproc=2, steps=20, agent_args=["--no-spare", "--checkpoint.interval=10"])
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_the_run_configs_checkpoint_takes_effect_with_every_example(tmp_path: Path, example: str) -> None:
+    """``--config examples/run.yaml --checkpoint.interval=2`` and nothing else: every example leaves the
+    checkpoint out when its own flag is not given, so the run config's section is the one used (train_gpt,
+    train_fsdp and train_tp passed ``checkpoint=None``, which won, and wrote nothing; train_ddp's ranks died: the
+    section lacked the supervisor's own ``local`` key)."""
+    from jobs import run_script
+
+    if example == "megatron":
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install "
+                                                    "'resilient-train[megatron]')")
+    script, small = EXAMPLES[example]
+    job = run_script(tmp_path / "run", REPO / "examples" / script, ["--steps", "4", *small], nproc=2, timeout=200,
+                     agent_args=["--no-spare", "--config", str(REPO / "examples" / "run.yaml"),
+                                 "--checkpoint.interval=2"])
     assert job.returncode == 0, job.stderr[-3000:]
-    assert _committed(job.run_dir) == ["step-10", "step-20"]
+    assert _committed(job.run_dir) == ["step-2", "step-4"]
     assert "is not used" not in job.stderr, job.stderr
 
 
@@ -307,9 +348,9 @@ def test_a_scripts_own_checkpoint_over_the_flag_is_said_once(tmp_path: Path) -> 
     assert job.returncode == 0, job.stderr[-3000:]
     assert _committed(job.run_dir) == ["step-5", "step-10"]  # the script's interval
     said = [line for line in job.stderr.splitlines() if "is not used" in line]
-    assert said == ["resilient-train: the run config's checkpoint is not used: the script passes "
-                    "SupervisorConfig(checkpoint=CheckpointConfig(...)), which wins (leave checkpoint out to take the "
-                    "run config's)"], job.stderr
+    assert said == ["resilient-train: the run config's checkpoint is not used: the script's SupervisorConfig has "
+                    "checkpoint=CheckpointConfig(...), which wins (SupervisorConfig.from_run_config(...) takes the "
+                    "run config's for every field not passed to it)"], job.stderr
 
 
 # -------------------------------------------------------------- old names
