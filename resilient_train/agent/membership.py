@@ -335,7 +335,9 @@ class Membership:
             return []
         self._looked_at = now
         assert self.spare_index is not None
-        value = store.get(NodeKeys.spare(self.spare_index)).decode()
+        key = NodeKeys.spare(self.spare_index)
+        # check first: a get waits (for a key that is not there yet), so a lost host would be seen only at its end
+        value = store.get(key).decode() if store.check([key]) else ""
         if value:
             return [NodeAssigned(node=int(value))]
         if store.check([Keys.FINAL]) or read_stop(store) is not None:

@@ -59,7 +59,6 @@ def move_store(error: str, *, host: StoreHost, membership: Membership, path: Pat
         return ev.NoMajority(error=error, reason=result.reason, host_dead=result.host_dead and not paused)
     host.moved(result.endpoint, hosting=result.hosting)
     announce(path, result.endpoint)
-    membership.after_move(host.store, result, supervised=supervised)
     previous = result.previous_host.name
     new_host = "this agent" if result.hosting else _name_of(known, result.endpoint)
     events.emit("store_moved", epoch=result.endpoint.epoch, endpoint=str(result.endpoint), hosting=result.hosting,
@@ -68,6 +67,7 @@ def move_store(error: str, *, host: StoreHost, membership: Membership, path: Pat
     say(f"lost the store on {lost_at} ({previous}: {error[:80]}); it moved to {new_host} ({result.endpoint}, epoch "
         f"{result.endpoint.epoch}) with {len(result.present)} of the {len(result.voters)} agents of the last "
         "generation: the job goes on")
+    membership.after_move(host.store, result, supervised=supervised)  # the new host hands the lost nodes on
     return None
 
 
