@@ -67,8 +67,11 @@ class StoreHost:
             del client
             # Node 0's agent may stop answering without closing the connection: every call ends by a deadline;
             # and the store may move to a successor (resilient_train.agent.succession): every connection follows.
+            # An agent reads keys that are there (a get waits for a missing one): a get past a call's deadline
+            # too is the store lost, not a wait of a minute on a host that is gone.
+            deadline = call_timeout_s(config.node_timeout_s)
             self.location = StoreLocation(Endpoint(config.master_addr, self.port), wrap=self.wrap,
-                                          timeout=STORE_TIMEOUT, call_timeout_s=call_timeout_s(config.node_timeout_s))
+                                          timeout=timedelta(seconds=deadline), call_timeout_s=deadline)
             self.store = MovableStore(self.location)  # type: ignore[assignment]
         if config.nnodes > 1:
             self.succession = AgentSuccession(master_addr=config.master_addr, token=self.token,

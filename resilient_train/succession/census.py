@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from resilient_train.succession.protocol import AgentEntry, Keys, majority
 
-__all__ = ["Census"]
+__all__ = ["FRESH_S", "Census"]
+
+FRESH_S = 1.5  # a beat this recent counts toward a majority: every agent beats twice a second
 
 
 @dataclass
@@ -66,8 +68,16 @@ class Census:
         return {self.host, *(i for i in self._seen if self._present(i, now))}
 
     def allows_loss(self, index: int | None, now: float | None = None) -> bool:
-        """Whether the agents present without ``index`` (an agent about to be declared lost) are a majority."""
-        present = self.present(now) - ({index} if index is not None else set())
+        """Whether the agents present without ``index`` (an agent about to be declared lost) are a majority.
+
+        Present here is stricter than not lost: a beat seen within :data:`FRESH_S` (the host reads every
+        beat once a second, and each agent beats twice a second). The agents cut off with the one claimed
+        went silent at the same moment; counted as present until their own timeout, they would let a host
+        cut off from them claim them lost one by one, handing nodes on in a store nobody else reaches."""
+        now = time.monotonic() if now is None else now
+        fresh = min(self.timeout_s, FRESH_S)
+        present = {self.host, *(i for i, seen in self._seen.items() if now - seen.changed_at <= fresh)}
+        present -= {index} if index is not None else set()
         voters = self.voters or frozenset(present)
         return majority(voters, present, self.host)
 

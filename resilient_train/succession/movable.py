@@ -119,7 +119,7 @@ class MovableStore(dist.Store):
         self._call("set", lambda s: s.set(self._k(key), value))
 
     def get(self, key: str) -> bytes:
-        return self._call("get", lambda s: s.get(self._k(key)), blocking_s=self._timeout.total_seconds())
+        return self._call(f"get of {key}", lambda s: s.get(self._k(key)), blocking_s=self._timeout.total_seconds())
 
     def add(self, key: str, amount: int) -> int:
         return self._call("add", lambda s: s.add(self._k(key), amount))
@@ -132,7 +132,8 @@ class MovableStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         t = self._timeout if timeout is None else timeout
-        self._call("wait", lambda s: s.wait([self._k(k) for k in keys], t), blocking_s=t.total_seconds())
+        self._call(f"wait for {keys[0] if keys else ''}", lambda s: s.wait([self._k(k) for k in keys], t),
+                   blocking_s=t.total_seconds())
 
     def delete_key(self, key: str) -> bool:
         return self._call("delete_key", lambda s: s.delete_key(self._k(key)))
