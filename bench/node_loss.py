@@ -7,6 +7,9 @@ agent and its ranks SIGKILLed (its host dies) once step ``--kill-step`` is done:
   warm interpreter per local rank while it waits (resilient_train.spares), so
   each of node 1's ranks starts warm; they heal from live replicas
   (``--node-timeout`` is the detection time);
+* spare0: the same, but node 0 is lost, whose agent hosts the store (issue 33):
+  the store moves to node 1's standby store (node 1 and the spare: 2 of the 3
+  agents) and the spare takes node 0 over;
 * restart: what a torchrun job does: every node's agent is stopped and started
   again at once (an instant scheduler), and the job resumes from the newest
   checkpoint, saved synchronously every ``--ckpt-every`` steps.
@@ -18,6 +21,7 @@ average is printed beside the figures.
 
     python bench/node_loss.py --repeats 3              # 2 nodes x 2 ranks
     python bench/node_loss.py --repeats 3 --modes spare
+    python bench/node_loss.py --repeats 3 --modes spare,spare0,restart --nproc 1
 """
 
 from __future__ import annotations
@@ -77,32 +81,32 @@ def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float,
     # The baseline's checkpoints are synchronous: an async save still in flight would skip the next ones.
     extra = ["--ckpt-every", str(args.ckpt_every), "--ckpt-mode", "disabled"] if mode == "restart" else []
     agents = [_agent(run, port, args, node=0, extra=extra), _agent(run, port, args, node=1, extra=extra)]
-    if mode == "spare":
+    if mode in ("spare", "spare0"):
         agents.append(_agent(run, port, args, node=None, extra=extra))
     try:
         _wait_step(run, args.kill_step - 1, timeout=args.timeout)
         killed = time.time()
-        _kill(agents[1])  # node 1's host dies
+        _kill(agents[0] if mode == "spare0" else agents[1])  # node 1's host dies (spare0: node 0's)
         if mode == "restart":
             _kill(agents[0])
             port = free_port()
             agents = [_agent(run, port, args, node=0, extra=extra), _agent(run, port, args, node=1, extra=extra)]
         last_done = max(e["step"] for e in events(run) if e["event"] == "step_done" and e["time"] <= killed)
         nxt = _wait_step(run, 0, timeout=args.timeout, after=killed,
-                         marker="recovery_done" if mode == "spare" else "run_start")
+                         marker="run_start" if mode == "restart" else "recovery_done")
         if mode == "restart":
             resumed = [e["step"] for e in events(run) if e["event"] == "resumed_from_disk" and e["time"] > killed]
             redone = last_done - (resumed[0] if resumed else 0)
         else:
             recs = [e for e in events(run) if e["event"] == "recovery_done" and e["time"] > killed]
             redone = max((e.get("steps_redone", 0) for e in recs), default=0)
-        for p in agents:
+        for p in (agents[1:] if mode == "spare0" else agents):
             p.wait(timeout=args.timeout)
         since = [e for e in events(run) if e["time"] > killed]
         spawned = [e for e in since if e["event"] == "worker_spawned" and e.get("replacement")]
         started = [e["since_spawn_s"] for e in since if e["event"] == "run_start" and e.get("replacement")]
         how = (f"{sum(bool(e.get('warm')) for e in spawned)} of {len(spawned)} warm, script after "
-               + ", ".join(f"{t:.2f}" for t in sorted(started)) + " s") if mode == "spare" else ""
+               + ", ".join(f"{t:.2f}" for t in sorted(started)) + " s") if mode != "restart" else ""
         return nxt["time"] - killed, redone, how
     finally:
         for p in agents:
@@ -113,16 +117,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
-    p.add_argument("--modes", default="spare,restart", help="which recoveries to run: spare, restart or both")
+    p.add_argument("--modes", default="spare,restart", help="which recoveries to run: spare, spare0, restart")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-step", type=int, default=25)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--node-timeout", type=float, default=2.0)
     p.add_argument("--timeout", type=float, default=240.0)
     args = p.parse_args()
-    modes = [m for m in ("spare", "restart") if m in args.modes.split(",")]
+    modes = [m for m in ("spare", "spare0", "restart") if m in args.modes.split(",")]
     if not modes:
-        p.error("--modes: spare, restart or spare,restart")
+        p.error("--modes: any of spare, spare0, restart, comma-separated")
     results: dict[str, list[tuple[float, int, str]]] = {m: [] for m in modes}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="rt-nodeloss-") as tmp:
@@ -137,14 +141,19 @@ def main() -> None:
     print("|---|---|---|")
     med = {}
     labels = {"spare": f"spare node, heal from live replicas (node timeout {args.node_timeout:g} s)",
+              "spare0": "node 0 lost: the store moves to node 1, the spare takes node 0, heal from live replicas",
               "restart": f"restart every node from the newest checkpoint (every {args.ckpt_every})"}
     for mode in modes:
         ts = [t for t, _, _ in results[mode]]
         med[mode] = statistics.median(ts)
         print(f"| {labels[mode]} | {med[mode]:.2f} ({', '.join(f'{t:.2f}' for t in ts)}) | "
               f"{max(r for _, r, _ in results[mode])} |")
-    if len(med) == 2:
-        print(f"| ratio | {med['spare'] / med['restart']:.2f}× | |")
+    for mode in ("spare", "spare0"):
+        if mode in med and "restart" in med:
+            print(f"| ratio {mode} / restart | {med[mode] / med['restart']:.2f}× | |")
+    if "spare" in med and "spare0" in med:
+        print(f"| ratio spare0 / spare (losing the store's host against another node) | "
+              f"{med['spare0'] / med['spare']:.2f}× | |")
 
 
 if __name__ == "__main__":

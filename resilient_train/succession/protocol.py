@@ -18,15 +18,16 @@ liveness port                           the new host listens on one of its own; 
 fence claims and acknowledgements       the lost host's node's claim is set by the new host (its ranks, if
                                         alive, find it when they come); others: made again as losses come
 elastic members (``rt/width/...``)      the new host writes its first generation's members
-stop, preemption, shutdown keys         gone with the store: a stop in progress is lost with the generation
-                                        (the agents' signal is sent again by whoever still holds it)
+stop, preemption, shutdown keys         gone with the store: a stop or preemption under way when the store went
+                                        is lost with it (a signal sent again stops the job)
 checkpoint coordination (per            gone: a save in flight is not committed (its staging directory is
 generation)                             never loaded); the next save commits in the new store
 local states of the ranks               copied as they are published to the first successor's store (the
 (``rt/local/...``)                      mirror), so a rank that died with the host can be healed
-supervised marks, preemption graces     set again by the ranks as they join; the lost node's marks by the
-                                        new host
-chaos fired marks                       mirrored with the local states
+supervised marks                        set again by each rank as it follows its agent; the lost node's ranks'
+                                        by the new host (its spare starts them as replacements)
+preemption graces                       the agents' default until a rank's grace changes
+chaos fired marks                       gone: a fault fired before the move may fire again on a replacement
 the dashboard                           reads the run directory, not the store: unaffected
 ======================================  ===================================================================
 
