@@ -11,7 +11,9 @@ torch loads, so the lines are folded where they are read instead:
 
 * a rank's stderr, in the agent (:mod:`resilient_train.workerio`): each C++
   log block becomes its first line, without the stack; a rank's store
-  connection warnings after its first are dropped (they all say the same);
+  connection warnings are dropped: the store's loss, or its move to another
+  agent, is the agent's to say, in one line (a rank whose own link fails
+  fails its step, and that is said as the rank's fault);
 * the agent's own stderr (:class:`FoldedStderr`, installed by the CLI): its
   store connection warnings are dropped, since each comes with an error the
   agent reports itself; any other block becomes its first line. The console's
@@ -45,12 +47,10 @@ _STORE_FILES = (b"tcpstore", b"socket", b"utils.hpp")  # TCPStore.cpp, TCPStoreB
 
 
 class NativeLogFolder:
-    """Folds the C++ log blocks of one stream (``drop_store``: its store connection warnings, all of them)."""
+    """Folds the C++ log blocks of one stream and drops its store connection warnings."""
 
-    def __init__(self, *, drop_store: bool = False) -> None:
-        self._drop_store = drop_store
+    def __init__(self) -> None:
         self._after_stack = False
-        self._store_shown = False
         self.folded = 0  # blocks folded or dropped
 
     def feed(self, line: bytes) -> list[bytes] | None:
@@ -68,9 +68,7 @@ class NativeLogFolder:
             return None
         self.folded += 1
         if m["file"].lower().startswith(_STORE_FILES) and b"[c10d]" in m["message"]:
-            if self._drop_store or self._store_shown:
-                return []
-            self._store_shown = True
+            return []
         return [bare + b"\n"]
 
 
@@ -87,7 +85,7 @@ class FoldedStderr:
     """
 
     def __init__(self, on_closed: Callable[[], None] | None = None) -> None:
-        self._folder = NativeLogFolder(drop_store=True)
+        self._folder = NativeLogFolder()
         self._saved: int | None = None
         self._thread: threading.Thread | None = None
         self._on_closed = on_closed

@@ -160,7 +160,7 @@ def test_a_bad_monitor_state_file_never_reaches_a_checkpoint(tmp_path: Path) -> 
 @pytest.mark.timeout(300)
 def test_a_checkpoint_forged_to_switch_hang_detection_off_is_refused(tmp_path: Path, checkpointed: Path) -> None:
     """Issue 26: every saved time 1e308 in the manifest's extras, its self checksum recomputed. The agent
-    refuses the state in one line, and a rank stopped by SIGSTOP is still killed, by the default timeout."""
+    refuses the state in one line, and a deadlocked rank (idle) is still killed, by the configured timeout."""
     from checkpointing.manifest import MANIFEST_FILE, _canonical_digest
 
     run = tmp_path / "c"
@@ -176,7 +176,7 @@ def test_a_checkpoint_forged_to_switch_hang_detection_off_is_refused(tmp_path: P
     cfg = tmp_path / "monitor.json"
     cfg.write_text(json.dumps({"hang": {"idle_timeout_s": 5.0}}))
     job = run_gpt(run, nproc=2, steps=42, extra=CKPT, agent_args=["--monitor-config", str(cfg)],
-                  faults=[{"kind": "hang", "rank": 1, "step": 41, "phase": "forward"}])
+                  faults=[{"kind": "deadlock", "rank": 1, "step": 41, "phase": "forward"}])
     assert job.returncode == 0, job.stderr[-3000:]
     assert not job.of("monitor_state_loaded")
     [ignored] = job.of("monitor_state_ignored")
@@ -186,7 +186,8 @@ def test_a_checkpoint_forged_to_switch_hang_detection_off_is_refused(tmp_path: P
     said = [line for line in job.stderr.splitlines() if "hang timeouts are ignored" in line]
     assert len(said) == 1 and "observed_max_s" in said[0], job.stderr[-3000:]
     hang_seen = next(e for e in job.of("hang_detected") if e["rank"] == 1)
-    assert hang_seen["step"] == 41 and hang_seen["timeout_s"] == 5.0, hang_seen
+    # An idle rank (a deadlock) is judged by the idle timeout, which the forged state would have switched off.
+    assert (hang_seen["step"], hang_seen["evidence"], hang_seen["timeout_s"]) == (41, "idle", 5.0), hang_seen
     assert any(e["event"] == "recovery_done" for e in job.events())
 
 

@@ -165,7 +165,8 @@ def test_master_port_is_kept_across_restarts(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("flags, message", [
-    (["--nnodes", "1:4"], "--nnodes 1:4: elastic node counts are not supported"),
+    (["--nnodes", "3:2"], "--nnodes 3:2: MIN is more than MAX"),
+    (["--nnodes", "1:2:3"], "--nnodes '1:2:3': expected N or MIN:MAX"),
     (["--rdzv-backend", "etcd"], "--rdzv-backend etcd: only static or c10d"),
     (["--rdzv-conf", "bogus=1"], "--rdzv-conf: unknown key 'bogus'"),
     (["--nproc-per-node", "gpu"], "--nproc-per-node gpu: no GPU on this machine"),

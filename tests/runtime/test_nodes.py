@@ -247,32 +247,12 @@ def test_a_stopped_agents_node_is_fenced_before_the_spare_replaces_it_and_every_
 
 
 @pytest.mark.timeout(200)
-def test_losing_node_0_takes_the_store_and_the_others_stop_saying_so(cluster_factory):
-    """Node 0 (the store's host) is killed: node 1's agent, which cannot tell that from its own link cut,
-    fences its ranks and exits 94 within the node timeout plus 5 s, and its console says so in one line: no
-    C++ stack from c10d (the ranks' store connections or the agent's own), no traceback, at most one line per
-    rank and node."""
-    c = cluster_factory(nnodes=2, steps=400)
-    c.start("node0", node_rank=0)
-    c.start("node1", node_rank=1)
-    c.wait_event(lambda e: e["event"] == "step_done" and e["step"] >= 4)
-    os.killpg(c.agents["node0"].pid, signal.SIGKILL)
-    killed = time.monotonic()
-    c.agents["node0"].wait()
-    job = c.wait("node1", timeout=max(1.0, killed + c.node_timeout + 5 - time.monotonic()))
-    assert job.returncode == 94, job.stderr[-3000:]
-    lines = console_lines(job.stderr)
-    said = [line for line in lines if "lost the store on 127.0.0.1" in line and "node 0's agent is gone" in line]
-    assert len(said) == 1 and len(lines) <= 1 + NPROC, lines
-    assert "frame #" not in job.stderr and "Traceback" not in job.stderr, job.stderr[-3000:]
-
-
-@pytest.mark.timeout(200)
 def test_a_stopped_node_0_ends_the_other_agents_by_their_store_deadline(cluster_factory):
     """Node 0's agent, which hosts the store, is SIGSTOPped: its connections stay open and silent, so c10d's
-    client calls would block for ever. Node 1's agent ends by its calls' deadline (resilient_train.agent.
-    boundedstore: 5 s here), kills its ranks, and exits 94 (fenced: it cannot know whether the job went on
-    without it) with one line."""
+    client calls would block for ever. Node 1's agent ends by its calls' deadline (resilient_train.succession.
+    movable: 5 s here); alone it is no majority of the two agents and node 0's port does not refuse (its host
+    may live on), so it kills its ranks and exits 94 (fenced: it cannot know whether it was declared lost)
+    with one line."""
     c = cluster_factory(nnodes=2, steps=400)
     c.start("node0", node_rank=0)
     c.start("node1", node_rank=1)
@@ -282,7 +262,8 @@ def test_a_stopped_node_0_ends_the_other_agents_by_their_store_deadline(cluster_
     job = c.wait("node1", timeout=60)  # without the deadline it never ends
     assert job.returncode == 94, job.stderr[-3000:]
     said = [line for line in console_lines(job.stderr) if "lost the store on 127.0.0.1" in line]
-    assert len(said) == 1 and "does not answer" in said[0] and "did not answer a" in said[0], job.stderr[-3000:]
+    assert len(said) == 1 and "did not answer a check within" in said[0], job.stderr[-3000:]
+    assert "no other agent of the job answers" in said[0] and "fenced out (exit code 94)" in said[0], said
     assert not [p for p in ranks if _live(p)]  # its ranks went with it
 
 

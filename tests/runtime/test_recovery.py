@@ -58,12 +58,14 @@ def test_exception_in_step_recovers_in_process(tmp_path, references, nproc):
     # Step 6's optimizer phase raised on rank 0 after the reduction, before its own commit. Each peer commits
     # step 6 unless the fault's wake reaches it first (commit.py: a step of a generation declared failed is
     # not applied; seen in CI on a loaded box): the run resumes at the newest boundary a survivor holds, 7
-    # when some peer committed (its fault is then seen in step 7), else 6.
+    # when some peer committed, else 6. A peer's fault event may name step 6 after its commit of step 6 (the
+    # wake can land while the commit completes), so the boundary is not read from the events' steps.
     peers = [e for e in job.of("fault_detected") if e["generation"] == 1 and e["rank"] != 0]
     assert sorted(e["rank"] for e in peers) == list(range(1, nproc)) and {e["step"] for e in peers} <= {6, 7}, peers
-    newest = max(e["step"] for e in peers)
+    (boundary,) = {e["resume_step"] for e in done if e["generation"] == 2}  # every rank's the same
+    assert boundary in (6, 7), (done, peers)
     assert {(e["generation"], e["resume_from"], e["resume_step"], e["steps_redone"]) for e in done} == {
-        (1, "live", 2, 0), (2, "live", newest, 0)}, (done, peers)
+        (1, "live", 2, 0), (2, "live", boundary, 0)}, (done, peers)
 
 
 @pytest.mark.timeout(240)

@@ -76,7 +76,8 @@ def test_node_0_killed_whole_the_store_moves_the_spare_takes_its_rank_and_the_ru
     for name in ("node1", "node2", "spare"):
         done = job.wait(name)
         assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
-        assert len([line for line in console_lines(done.stderr) if "the store" in line]) == 1, done.stderr[-2000:]
+        assert len([line for line in console_lines(done.stderr) if "lost the store" in line]) == 1, \
+            done.stderr[-2000:]
     events = job.events()
     moves = _moves(events)
     assert sorted(e["source"] for e in moves) == ["agent-spare", "agent1", "agent2"]
