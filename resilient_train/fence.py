@@ -29,7 +29,7 @@ A fenced rank records the event, acknowledges its fence
 atexit handler (its checkpoint writer dies with it, PR_SET_PDEATHSIG). The
 agent that takes the node over (a spare, or the node's next agent) starts
 the replacements only once every rank of the lost incarnation acknowledged,
-or after :data:`FENCE_WAIT_S` (a rank that cannot answer is gone with its host,
+or after :data:`~resilient_train.nodes.FENCE_WAIT_S` (a rank that cannot answer is gone with its host,
 or frozen: then it learns of the fence the moment it runs again), and not
 before a node that is only cut off has fenced itself: its agent's store
 calls run past their deadline, and it kills its ranks
@@ -53,9 +53,7 @@ from resilient_train import env as E
 from resilient_train import exitcodes
 from resilient_train.nodes import NodeKeys
 
-__all__ = ["FENCE_WAIT_S", "Fence", "check_fence", "leave_fenced", "leave_if_cut_off"]
-
-FENCE_WAIT_S = 5.0  # at most, for the ranks of a lost incarnation to acknowledge (capped by --node-timeout)
+__all__ = ["Fence", "check_fence", "leave_fenced", "leave_if_cut_off"]
 
 
 @dataclass(frozen=True)

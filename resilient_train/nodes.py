@@ -34,7 +34,9 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["Heartbeat", "NodeKeys", "NodeWatch", "assign_spare", "claim_loss", "register_node", "register_spare", "wait_for_assignment"]
+__all__ = ["FENCE_WAIT_S", "Heartbeat", "NodeKeys", "NodeWatch", "assign_spare", "claim_loss", "register_node", "register_spare", "wait_for_assignment"]
+
+FENCE_WAIT_S = 5.0  # at most, for the ranks of a lost incarnation to acknowledge (capped by --node-timeout)
 
 
 class NodeKeys:

@@ -28,8 +28,8 @@ from resilient_train.env import WorkerEnv
 from resilient_train.errors import Failure, JobStopped
 from resilient_train.generation import ResumePlan
 from resilient_train.judge import Judge, Stop
-from resilient_train.rendezvous import interrupt_for_stop, leave_generation, stop_after_failure
-from resilient_train.store import Keys, read_fault, read_stop, request_stop
+from resilient_train.rendezvous import leave_generation, stop_after_failure
+from resilient_train.store import Keys, interrupt_for_stop, read_fault, read_stop, request_stop
 from resilient_train.watch import GenerationWatcher
 
 __all__ = ["Recovery", "stop_on_storage_fault"]

@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 from resilient_train.fence import check_fence
 from resilient_train.generation import Membership, ResumePlan, RunFinished, join_generation
-from resilient_train.store import Keys, current_generation, fail_join, interrupt_generation, read_stop, report_fault
+from resilient_train.store import Keys, read_stop, report_fault
 
 if TYPE_CHECKING:
     from resilient_train.watch import GenerationWatcher
 
-__all__ = ["enter_generation", "interrupt_for_stop", "join_interruptibly", "leave_generation", "report_fault",
+__all__ = ["enter_generation", "join_interruptibly", "leave_generation", "report_fault",
            "stop_after_failure"]
 
 
@@ -65,16 +65,6 @@ def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Mem
     return join_generation(store, world_size=world_size, me=me, timeout=timeout,
                            finished=lambda: store.check([Keys.FINAL]), stopped=stopped, generation=moved_to,
                            elastic=elastic)
-
-
-def interrupt_for_stop(store: dist.Store, *, world_size: int) -> None:
-    """The job was stopped (``request_stop``): every watcher and join of the current generation looks now.
-
-    Woken ranks join the next generation without asking why: its join fails first, so they find the stop there.
-    """
-    g = current_generation(store)
-    fail_join(store, g + 1, world_size=world_size)
-    interrupt_generation(store, g, world_size=world_size)
 
 
 _SLICE_S = 0.1  # the main thread's wait on a join in slices: signal handlers run between them

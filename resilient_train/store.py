@@ -29,8 +29,8 @@ from resilient_train.succession.movable import MovableStore
 
 __all__ = [
     "Keys", "StoreTimeout", "attempt_store", "connect_worker_store", "current_generation", "declare_fault",
-    "fail_join", "interrupt_generation", "job_store", "new_token", "read_fault", "read_stop", "report_fault",
-    "request_stop", "scoped", "settle", "wait_until",
+    "fail_join", "interrupt_for_stop", "interrupt_generation", "job_store", "new_token", "read_fault", "read_stop",
+    "report_fault", "request_stop", "scoped", "settle", "wait_until",
 ]
 
 
@@ -213,10 +213,20 @@ def interrupt_generation(store: dist.Store, generation: int, *, world_size: int)
 
     A woken rank joins ``generation + 1`` without asking why (its watcher only waits for the key): after a
     fault that is the run's next generation; whoever interrupts for another reason (a stop) first fails that
-    join (:func:`resilient_train.rendezvous.interrupt_for_stop`), so the rank finds out there.
+    join (:func:`interrupt_for_stop`), so the rank finds out there.
     """
     fail_join(store, generation, world_size=world_size)
     store.multi_set([Keys.wake(generation, r) for r in range(world_size)], [Keys.WOKEN] * world_size)
+
+
+def interrupt_for_stop(store: dist.Store, *, world_size: int) -> None:
+    """The job was stopped (``request_stop``): every watcher and join of the current generation looks now.
+
+    Woken ranks join the next generation without asking why: its join fails first, so they find the stop there.
+    """
+    g = current_generation(store)
+    fail_join(store, g + 1, world_size=world_size)
+    interrupt_generation(store, g, world_size=world_size)
 
 
 def read_fault(store: dist.Store, generation: int) -> dict[str, Any] | None:

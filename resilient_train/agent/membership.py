@@ -21,16 +21,14 @@ from monitors import EventLog
 from resilient_train.succession.location import call_timeout_s
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.events import Fenced, JobEnded, NodeAssigned, NodeLost
-from resilient_train.fence import FENCE_WAIT_S
-from resilient_train.nodes import Heartbeat, NodeKeys, assign_spare, claim_loss, register_node, register_spare
+from resilient_train.nodes import FENCE_WAIT_S, Heartbeat, NodeKeys, assign_spare, claim_loss, register_node, register_spare
 from resilient_train import exitcodes
 from resilient_train.agent.liveness import LivenessClient, LivenessServer
 from resilient_train.agent.succession import MOVED_CLAIM, AgentSuccession, Moved
 from resilient_train.succession.protocol import Keys as SuccessionKeys
 from resilient_train.agent.width import BelowMinimum, grow, is_member, shrink, start_members, wait_for_start
 from resilient_train.elastic.members import members_of
-from resilient_train.rendezvous import interrupt_for_stop
-from resilient_train.store import Keys, current_generation, declare_fault, read_stop, request_stop
+from resilient_train.store import Keys, current_generation, declare_fault, interrupt_for_stop, read_stop, request_stop
 from resilient_train.succession.location import Endpoint
 
 __all__ = ["Membership", "fence_wait_s"]
@@ -118,7 +116,7 @@ class Membership:
 
     def _fence_previous(self, store: dist.Store, returning: bool) -> None:
         """Before this node's ranks start again: the previous incarnation's ranks can no longer join (its loss
-        is claimed), and each has left, or had :data:`FENCE_WAIT_S` to (resilient_train.fence)."""
+        is claimed), and each has left, or had :data:`FENCE_WAIT_S` to (resilient_train.nodes)."""
         c = self.config
         previous = self.incarnation - 1
         if claim_loss(store, c.node_rank, previous, by=c.node_rank) and returning:

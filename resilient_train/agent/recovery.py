@@ -22,8 +22,7 @@ from resilient_train.agent.state import AgentLifecycle, AgentState
 from resilient_train.agent.storehost import StoreHost
 from resilient_train.agent.workers import Workers
 from resilient_train.restarts import Failure, RestartPolicy
-from resilient_train.rendezvous import interrupt_for_stop
-from resilient_train.store import current_generation, declare_fault, request_stop
+from resilient_train.store import current_generation, declare_fault, interrupt_for_stop, request_stop
 
 __all__ = ["Recovery"]
 

@@ -145,7 +145,7 @@ def test_a_stopped_job_wakes_its_ranks_into_a_join_that_tells_them_so() -> None:
     """A watcher only waits for its wake key: every wake sends the rank to the next generation. A stop fails
     that join before it wakes anyone, so the rank, having asked nothing, learns of the stop there."""
     from resilient_train import rendezvous
-    from resilient_train.store import request_stop
+    from resilient_train.store import interrupt_for_stop, request_stop
     from resilient_train.watch import GenerationWatcher
 
     _server, connect = _store()
@@ -155,7 +155,7 @@ def test_a_stopped_job_wakes_its_ranks_into_a_join_that_tells_them_so() -> None:
     try:
         watcher.watch(0)
         request_stop(store, {"summary": "a bug", "exit_code": 1})
-        rendezvous.interrupt_for_stop(store, world_size=2)
+        interrupt_for_stop(store, world_size=2)
         assert watcher.moved.wait(20) and watcher.next_generation == 1
         assert store.get(Keys.outcome(1)).decode() == Keys.FAILED  # settled before the wake: nothing waits
         assert rendezvous.stop_after_failure(rank_store, watcher) is None  # a woken rank reads nothing
@@ -234,8 +234,8 @@ def test_a_preemption_signal_ends_a_join_that_no_peer_will_finish(monkeypatch) -
     import threading
     import time
 
-    from resilient_train import preempt, rendezvous
-    from resilient_train.store import request_stop
+    from resilient_train import preempt
+    from resilient_train.store import interrupt_for_stop, request_stop
 
     monkeypatch.setattr(preempt, "JOIN_WAIT_S", 0.2)
     _server, connect = _store()
@@ -246,7 +246,7 @@ def test_a_preemption_signal_ends_a_join_that_no_peer_will_finish(monkeypatch) -
     def interrupt() -> None:
         interrupts.append(preemption.signal)
         request_stop(store, {"rank": 0, "summary": "preempted", "exit_code": 75})
-        rendezvous.interrupt_for_stop(store, world_size=2)
+        interrupt_for_stop(store, world_size=2)
 
     t0 = time.monotonic()
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
