@@ -3,7 +3,7 @@
     python bench/console_relay.py [--repo-before DIR] [--steps 400] [--lines 200000] [--runs 3]
 
 Since the ranks' stdout passes through the agent whenever the agent's stdout is a
-pipe (so ``| head`` cannot break a rank, resilient_train.console), a job that
+pipe (so ``| head`` cannot break a rank, resilient_train.agent.console), a job that
 prints every step costs the agent a read and a write per line. Measured here:
 
 * ``gpt``: the GPT example, 2 ranks, ``--log-every 1`` (rank 0 prints every
@@ -86,7 +86,7 @@ def agent_run(repo: Path, args: list[str], *, to_pipe: bool, tmp: Path) -> tuple
 RELAY = """
 import io, resource, subprocess, sys, tempfile
 from pathlib import Path
-from resilient_train.workerio import Console, OutputConfig, WorkerOutput
+from resilient_train.agent.workerio import Console, OutputConfig, WorkerOutput
 stream, paced, n, silent = sys.argv[1], sys.argv[2] == "paced", int(sys.argv[3]), sys.argv[4] == "silent"
 child = (f"import sys, time\\nfor i in range({n}):\\n    " + ("pass" if silent else
          f"print(f'step {{i}} loss 1.2345 lr 0.001', file=sys.{stream}, flush=True)") + "\\n"

@@ -4,7 +4,7 @@ Each simulated rank is a thread with its own TCPStore client (and its own
 :class:`GenerationWatcher`, with the watcher's own connection), in one of a few
 client processes; the store server runs in a process of its own so its CPU time
 and bytes can be read from ``/proc``. The ranks call the runtime's own protocol
-code, the functions the supervisor calls (``resilient_train.rendezvous``): they
+code, the functions the supervisor calls (``resilient_train.rank.rendezvous``): they
 join generation 0, take steady steps (each publishes its local state through
 :class:`LocalSlots`, as the stepper does at its vote), then lose one rank, and
 later 1% of the ranks: the agent declares the fault, warm replacements join,
@@ -38,12 +38,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from resilient_train import rendezvous
-from resilient_train.generation import Membership, ResumePlan
-from resilient_train.local_state import LocalSlots, encode_local
-from resilient_train.store import attempt_store, job_store
-from resilient_train.train_state import capture_rng
-from resilient_train.watch import GenerationWatcher
+from resilient_train.rank import rendezvous
+from resilient_train.rank.generation import Membership, ResumePlan
+from resilient_train.rank.local_state import LocalSlots, encode_local
+from resilient_train.protocol.store import attempt_store, job_store
+from resilient_train.rank.train_state import capture_rng
+from resilient_train.rank.watch import GenerationWatcher
 
 __all__ = ["BenchConfig", "CountingStore", "run_size", "main"]
 
@@ -185,7 +185,7 @@ class SimRank:
         return plan
 
     def recover(self) -> None:
-        """What a recovery's judge and leave do with the store (resilient_train.recovery): read a stop, report
+        """What a recovery's judge and leave do with the store (resilient_train.rank.recovery): read a stop, report
         the fault (a woken rank does neither: it joins the next generation, which tells)."""
         if rendezvous.stop_after_failure(self.store, self.watcher) is not None:
             raise RuntimeError("the bench's job was stopped")

@@ -4,7 +4,7 @@ Both on one machine, 2 nodes x ``--nproc`` ranks of the example GPT, node 1's
 agent and its ranks SIGKILLed (its host dies) once step ``--kill-step`` is done:
 
 * spare: a third agent started with ``--spare`` takes node 1 over; it keeps a
-  warm interpreter per local rank while it waits (resilient_train.spares), so
+  warm interpreter per local rank while it waits (resilient_train.agent.spares), so
   each of node 1's ranks starts warm; they heal from live replicas
   (``--node-timeout`` is the detection time);
 * spare0: the same, but node 0 is lost, whose agent hosts the store (issue 33):

@@ -10,7 +10,7 @@ For each state size this measures, with ``checkpointing.CheckpointManager``
   requested at once (its import of torch is part of the save in flight);
 - ``warm``: the same two saves once the writer is up;
 - ``one``: a single save, request to commit (what the default grace is grown
-  from: ``resilient_train.shutdown.auto_grace`` takes twice the longest, and half
+  from: ``resilient_train.protocol.shutdown.auto_grace`` takes twice the longest, and half
   again for slack).
 
 Sizes: the GPT example's own state at its default size (model and AdamW's two
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpointing import CheckpointConfig, CheckpointManager  # noqa: E402
 from checkpointing.tree import leaves  # noqa: E402
-from resilient_train.shutdown import DEFAULT_GRACE_S, auto_grace  # noqa: E402
+from resilient_train.protocol.shutdown import DEFAULT_GRACE_S, auto_grace  # noqa: E402
 
 
 def example_state() -> dict:

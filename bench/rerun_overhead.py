@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     import torch
 
     import resilient_train as rt
-    from resilient_train.rerun import RerunConfig
+    from resilient_train.rank.rerun import RerunConfig
     from train_gpt import GPT, GPTConfig, batch
 
     warmup = 10
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
              for b in range(0, args.blocks - 1, 2)]
 
     # The pieces on their own.
-    from resilient_train.rerun import StepResult, ValidatorSet
+    from resilient_train.rank.rerun import StepResult, ValidatorSet
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     n = 2000
     t0 = time.perf_counter()

@@ -60,7 +60,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
     from torch.distributed.device_mesh import init_device_mesh
 
     import resilient_train as rt
-    from resilient_train import env as E
+    from resilient_train.protocol import env as E
     from train_fsdp import parallelize
     from train_gpt import GPT, GPTConfig, batch
 

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from resilient_train.snapshot import HostSnapshot
+    from resilient_train.rank.snapshot import HostSnapshot
     from train_gpt import GPT, GPTConfig, batch
 
     if not torch.cuda.is_available():
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         capture()
         fwd_bwd()
 
-    from resilient_train.snapshot import flatten
+    from resilient_train.rank.snapshot import flatten
 
     side = torch.cuda.Stream()
 

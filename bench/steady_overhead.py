@@ -100,7 +100,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import resilient_train as rt
-    from resilient_train import env as E
+    from resilient_train.protocol import env as E
     from train_gpt import GPT, GPTConfig, batch
 
     run_dir = tempfile.mkdtemp(prefix=f"steady-rank{rank}-")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from chaos.schedule import MAX_SEED
-from monitors.cliargs import OneLineParser, integer
+from resilient_train.base.cliargs import OneLineParser, integer
 
 __all__ = ["LIBRARY", "main", "resolve_scenario"]
 
@@ -78,7 +78,7 @@ def _load(name: str, seed: int | None):  # -> Scenario
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from chaos.reference import default_cache_dir
-    from monitors.safefiles import writable_dir
+    from resilient_train.base.safefiles import writable_dir
     from chaos.runner import run_scenario
 
     scn = _load(args.scenario, args.seed)
@@ -97,7 +97,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_matrix(args: argparse.Namespace) -> int:
     from chaos.matrix import MatrixConfig, run_matrix
-    from monitors.safefiles import writable_dir
+    from resilient_train.base.safefiles import writable_dir
 
     kw = {}
     if args.kinds:

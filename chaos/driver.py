@@ -21,7 +21,7 @@ from pathlib import Path
 from chaos.faults import dumps_faults
 from chaos.schedule import CORRUPT_CKPT, STORE_OUTAGE, PlannedFault
 from chaos.scenario import JobSpec
-from monitors import exitcodes
+from resilient_train.base import exitcodes
 
 __all__ = ["DriverFired", "JobRun", "run_job"]
 

@@ -15,7 +15,7 @@
     timeout_s: 300
 
 Every mistake raises ``ValueError`` naming the file and the field: the file is
-read by ``monitors.configfile`` (plain YAML, no anchors or aliases, bounded in
+read by ``resilient_train.base.configfile`` (plain YAML, no anchors or aliases, bounded in
 size and depth), and every value is type- and range-checked, so a scenario that
 loads is one the runner can run and time out. Limits: ``job.ranks`` at most
 ``monitors.max_local_ranks()`` (the agent's own limit on this node), at most
@@ -34,7 +34,7 @@ from typing import Any
 from chaos.faults import MAX_DURATION_S, MAX_FAULTS
 from chaos.schedule import MAX_STEPS, FixedSchedule, PlannedFault, RandomSchedule, Schedule
 from monitors import MonitorConfig, max_local_ranks
-from monitors.configfile import (
+from resilient_train.base.configfile import (
     check_fields, kind, load_config_file, require_bool, require_int, require_number, require_str,
 )
 

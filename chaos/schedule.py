@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chaos.faults import MAX_DURATION_S, MAX_FAULTS, RECOVERY_PHASES, Fault, FaultKind, Phase
-from monitors.configfile import require_int, require_number
+from resilient_train.base.configfile import require_int, require_number
 
 __all__ = [
     "DRIVER_KINDS",

@@ -6,7 +6,7 @@ Many ranks, asynchronous: :class:`CheckpointManager` with :class:`CheckpointConf
 
 from typing import TYPE_CHECKING
 
-from monitors.lazynames import lazy_names
+from resilient_train.base.lazynames import lazy_names
 
 from checkpointing.config import AsyncMode, CheckpointConfig, InFlightPolicy
 

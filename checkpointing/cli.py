@@ -16,7 +16,7 @@ from checkpointing.dcp_io import METADATA_FILE, load_metadata
 from checkpointing.diff import diff_all, diff_states
 from checkpointing.manifest import MANIFEST_FILE, CheckpointError, verify_checkpoint
 from checkpointing.tree import Skeleton
-from monitors.cliargs import OneLineParser, integer
+from resilient_train.base.cliargs import OneLineParser, integer
 
 __all__ = ["build_parser", "main"]
 

@@ -33,7 +33,7 @@ from checkpointing.durable import fsync_dir
 from checkpointing.errors import disk_full_error
 from checkpointing.manifest import CheckpointError
 from checkpointing.shards import Chunk, check_tiling
-from monitors.safefiles import create_exclusive
+from resilient_train.base.safefiles import create_exclusive
 
 __all__ = [
     "METADATA_FILE",

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from monitors.safefiles import create_exclusive
+from resilient_train.base.safefiles import create_exclusive
 
 __all__ = [
     "CHECKSUM_ALGORITHM",

@@ -8,10 +8,10 @@ nobody is told about. So a write that failed for the storage is classified
 its exit code instead of restarting:
 
 * **full** (``ENOSPC``, ``EDQUOT``): :class:`DiskFullError`, exit
-  :data:`~monitors.exitcodes.DISK_FULL` (28);
+  :data:`~resilient_train.base.exitcodes.DISK_FULL` (28);
 * **unwritable** (``EROFS``: remounted read-only; ``EIO``: the device fails;
   ``ESTALE``: a network filesystem lost the directory): :class:`UnwritableError`,
-  exit :data:`~monitors.exitcodes.STORAGE` (74, EX_IOERR).
+  exit :data:`~resilient_train.base.exitcodes.STORAGE` (74, EX_IOERR).
 
 torch's serializer reports a failed write as ``unexpected pos N vs M`` and
 drops the ``errno``, so a DCP shard write that fails on a filesystem with less
@@ -26,13 +26,13 @@ import errno
 import os
 from pathlib import Path
 
-from monitors import exitcodes
+from resilient_train.base import exitcodes
 
 __all__ = ["EXIT_DISK_FULL", "FULL", "UNWRITABLE", "DiskFullError", "StorageError", "UnwritableError",
            "disk_full_error", "free_bytes", "is_disk_full", "storage_error", "storage_error_for", "storage_fault",
            "storage_stop"]
 
-# The exit code of a job stopped by a full disk (monitors.exitcodes: the one table of codes).
+# The exit code of a job stopped by a full disk (resilient_train.base.exitcodes: the one table of codes).
 EXIT_DISK_FULL = exitcodes.DISK_FULL
 
 FULL, UNWRITABLE = "full", "unwritable"

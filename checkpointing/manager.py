@@ -22,7 +22,7 @@ A save that lost a rank is failed as soon as ``cancelled`` says so (see
 ``coordinator``); a save that ran out of disk makes every later ``save`` raise
 :class:`~checkpointing.errors.DiskFullError` (the job must stop, not restart).
 Rank 0 removes the ``.tmp`` leftovers of crashed saves when it starts: the
-directory must belong to one job at a time (``resilient_train.rundir`` locks it).
+directory must belong to one job at a time (``resilient_train.agent.rundir`` locks it).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Ctrl-C (SIGINT to the foreground process group), GNU ``timeout`` and ``kill
 -TERM -PGID`` (SIGTERM to the group), a closed terminal (SIGHUP), Ctrl-\\
 (SIGQUIT) and Slurm's ``--signal`` (SIGUSR1 to every process of the step)
 reach every process of a job, not only its ranks. A rank turns them into a
-checkpointed stop (resilient_train.preempt); its helpers (the checkpoint
+checkpointed stop (resilient_train.rank.preempt); its helpers (the checkpoint
 writer, a warm spare still waiting) must not die of them meanwhile: the
 writer's save is exactly what the stop needs. They ignore them, and end by
 their rank's decision or with it (``PR_SET_PDEATHSIG``).

@@ -33,7 +33,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 import resilient_train as rt  # rt:
 from checkpointing import CheckpointConfig
-from resilient_train.disk import default_checkpoint_config
+from resilient_train.rank.disk import default_checkpoint_config
 from train_gpt import GPT, GPTConfig, batch
 
 

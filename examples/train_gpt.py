@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from monitors.cupti_kernels import CuptiConfig, unavailable_reason
 import resilient_train as rt
-from resilient_train.disk import default_checkpoint_config
-from resilient_train.rerun import OnGenuine, RerunConfig, RerunMode
+from resilient_train.rank.disk import default_checkpoint_config
+from resilient_train.rank.rerun import OnGenuine, RerunConfig, RerunMode
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from monitors.cliargs import OneLineParser, number
+from resilient_train.base.cliargs import OneLineParser, number
 from monitors.control import read_control, write_control
 from monitors.events import read_events
 from monitors.progress import ProgressReader

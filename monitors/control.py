@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from monitors.safefiles import write_atomic
+from resilient_train.base.safefiles import write_atomic
 
 __all__ = ["StragglerControl", "control_path", "read_control", "write_control"]
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from monitors.safefiles import append_bytes
+from resilient_train.base.safefiles import append_bytes
 
 __all__ = ["MAX_LINE_BYTES", "EventLog", "read_events"]
 

@@ -46,7 +46,7 @@ that generation entered one, not from its own entry.
 
 Only ranks that report progress are watched: a rank with no slot (a plain
 torchrun script that neither uses the Supervisor nor calls
-``resilient_train.heartbeat``) is never taken for hung, however long it runs.
+``resilient_train.rank.heartbeat``) is never taken for hung, however long it runs.
 A respawned rank whose predecessor reported (``reset(..., expect_progress=True)``)
 is watched from its spawn, so a replacement stuck in start-up is caught.
 
@@ -67,8 +67,10 @@ from enum import Enum
 from typing import Any, Iterable
 
 from monitors.activity import PROBE_AFTER_S, Activity, RankActivity, idle_for
-from monitors.configfile import MAX_COUNT, MAX_SECONDS, kind, require_bool, require_int, require_number, require_strs
-from monitors.configtree import renamed
+from resilient_train.base.configfile import (
+    MAX_COUNT, MAX_SECONDS, kind, require_bool, require_int, require_number, require_strs,
+)
+from resilient_train.base.configtree import renamed
 from monitors.progress import ProgressReader, ProgressSnapshot
 from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS, Section
 

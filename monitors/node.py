@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from monitors.configfile import kind, load_config_file, require_bool, require_int, require_str
-from monitors.configtree import build
+from resilient_train.base.configfile import kind, load_config_file, require_bool, require_int, require_str
+from resilient_train.base.configtree import build
 from monitors.events import EventLog
 from monitors.hang import Hang, HangConfig, HangDetector, ranks_to_kill
 from monitors.jobwide import JobWideBest

@@ -25,8 +25,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from monitors.configfile import MAX_COUNT, kind
-from monitors.safefiles import read_regular, write_atomic
+from resilient_train.base.configfile import MAX_COUNT, kind
+from resilient_train.base.safefiles import read_regular, write_atomic
 
 __all__ = ["CHECKPOINT_EXTRAS_KEY", "MAX_STATE_BYTES", "monitor_state_path", "offer_from_checkpoint",
            "offered_state_path", "read_json_file", "read_monitor_state", "take_offer", "write_json_atomic"]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from monitors.safefiles import create_exclusive
+from resilient_train.base.safefiles import create_exclusive
 from monitors.sections import SECTIONS, Section, section_code
 
 if TYPE_CHECKING:

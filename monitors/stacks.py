@@ -15,7 +15,7 @@ handler (no stacks file, or none written by this process) would die of
 ``SIGUSR2``'s default action, so it is never sent one. Nor is a rank whose
 script had its own ``SIGUSR2`` handler: the dump is then not installed, so as
 not to replace it. (``SIGUSR1`` is left to preemption: Slurm's ``--signal``
-sends it; resilient_train.preempt.)
+sends it; resilient_train.rank.preempt.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import signal
 from pathlib import Path
 from typing import IO
 
-from monitors.safefiles import open_nofollow
+from resilient_train.base.safefiles import open_nofollow
 
 __all__ = ["DUMP_WAIT_S", "StackDumps", "innermost_frame", "install_stack_dump", "is_stopped", "stacks_path"]
 

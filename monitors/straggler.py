@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from monitors.configfile import MAX_COUNT, MAX_SECONDS, require_bool, require_int, require_number, require_strs
+from resilient_train.base.configfile import (
+    MAX_COUNT, MAX_SECONDS, require_bool, require_int, require_number, require_strs,
+)
 from monitors.control import read_control
 from monitors.jobwide import JobWideBest
 from monitors.progress import ProgressReader

@@ -12,7 +12,7 @@ constructor was given, and ``SupervisorConfig.from_run_config`` is where a rank 
 
 from typing import TYPE_CHECKING
 
-from monitors.lazynames import lazy_names
+from resilient_train.base.lazynames import lazy_names
 
 __all__ = [
     "AgentConfig",
@@ -55,28 +55,28 @@ _LAZY = {
     "CheckpointConfig": "checkpointing",
     "CuptiConfig": "monitors.cupti_kernels",
     "DashboardConfig": "monitors.dashboard.server",
-    "GenerationFailed": "resilient_train.errors",
+    "GenerationFailed": "resilient_train.rank.errors",
     "HangConfig": "monitors.hang",
     "InFlightPolicy": "checkpointing",
-    "MeshSpec": "resilient_train.mesh",
+    "MeshSpec": "resilient_train.rank.mesh",
     "MetricsConfig": "monitors",
     "MonitorConfig": "monitors",
-    "OnGenuine": "resilient_train.rerun",
-    "OutputConfig": "resilient_train.workerio",
-    "PreemptionConfig": "resilient_train.preempt",
-    "RerunConfig": "resilient_train.rerun",
-    "RerunMode": "resilient_train.rerun",
+    "OnGenuine": "resilient_train.rank.rerun",
+    "OutputConfig": "resilient_train.agent.workerio",
+    "PreemptionConfig": "resilient_train.rank.preempt",
+    "RerunConfig": "resilient_train.rank.rerun",
+    "RerunMode": "resilient_train.rank.rerun",
     "RunConfig": "resilient_train.runconfig",
-    "ShardedModule": "resilient_train.sharded",
-    "Stateful": "resilient_train.train_state",
-    "StepContext": "resilient_train.context",
+    "ShardedModule": "resilient_train.rank.sharded",
+    "Stateful": "resilient_train.rank.train_state",
+    "StepContext": "resilient_train.rank.context",
     "StragglerConfig": "monitors.straggler",
-    "Supervisor": "resilient_train.supervisor",
-    "SupervisorConfig": "resilient_train.supervisor",
-    "TrainState": "resilient_train.train_state",
-    "UsageError": "resilient_train.errors",
-    "WorkerEnv": "resilient_train.env",
-    "heartbeat": "resilient_train.heartbeat",
+    "Supervisor": "resilient_train.rank.supervisor",
+    "SupervisorConfig": "resilient_train.rank.supervisor",
+    "TrainState": "resilient_train.rank.train_state",
+    "UsageError": "resilient_train.rank.errors",
+    "WorkerEnv": "resilient_train.protocol.env",
+    "heartbeat": "resilient_train.rank.heartbeat",
 }
 
 if TYPE_CHECKING:
@@ -86,17 +86,17 @@ if TYPE_CHECKING:
     from monitors.dashboard.server import DashboardConfig
     from monitors.hang import HangConfig
     from monitors.straggler import StragglerConfig
-    from resilient_train.env import WorkerEnv
-    from resilient_train.rerun import OnGenuine, RerunConfig, RerunMode
-    from resilient_train.context import StepContext
-    from resilient_train.errors import GenerationFailed, UsageError
-    from resilient_train.heartbeat import heartbeat
-    from resilient_train.mesh import MeshSpec
-    from resilient_train.preempt import PreemptionConfig
-    from resilient_train.sharded import ShardedModule
-    from resilient_train.supervisor import Supervisor, SupervisorConfig
-    from resilient_train.train_state import Stateful, TrainState
-    from resilient_train.workerio import OutputConfig
+    from resilient_train.protocol.env import WorkerEnv
+    from resilient_train.rank.rerun import OnGenuine, RerunConfig, RerunMode
+    from resilient_train.rank.context import StepContext
+    from resilient_train.rank.errors import GenerationFailed, UsageError
+    from resilient_train.rank.heartbeat import heartbeat
+    from resilient_train.rank.mesh import MeshSpec
+    from resilient_train.rank.preempt import PreemptionConfig
+    from resilient_train.rank.sharded import ShardedModule
+    from resilient_train.rank.supervisor import Supervisor, SupervisorConfig
+    from resilient_train.rank.train_state import Stateful, TrainState
+    from resilient_train.agent.workerio import OutputConfig
     from resilient_train.agent.config import AgentConfig
     from resilient_train.runconfig import RunConfig
 

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from resilient_train.exitfast import skip_final_collection
+from resilient_train.base.exitfast import skip_final_collection
 
 if TYPE_CHECKING:
     from resilient_train.agent import AgentConfig
@@ -38,10 +38,10 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     import warnings
 
-    from resilient_train.env import RT_RUN_CONFIG
+    from resilient_train.protocol.env import RT_RUN_CONFIG
     from resilient_train.agent import Agent, AgentError
-    from resilient_train.console import Std
-    from resilient_train.nativelog import FoldedStderr
+    from resilient_train.agent.console import Std
+    from resilient_train.agent.nativelog import FoldedStderr
     from resilient_train.preflight import check_run_inputs
     from resilient_train.runflags import run_config
 
@@ -66,8 +66,8 @@ def _cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     path = run.write(agent.run_dir / run_config_name(config))
     config.env[RT_RUN_CONFIG] = str(path.resolve())
     # c10d's C++ warnings from the agent's own store connections, one per connection when node 0 goes, each
-    # with a C++ stack: the agent says what happened in one line instead (resilient_train.nativelog).
-    # A stderr that closes under the agent (2>&1 | head) is the console's to handle (resilient_train.console).
+    # with a C++ stack: the agent says what happened in one line instead (resilient_train.agent.nativelog).
+    # A stderr that closes under the agent (2>&1 | head) is the console's to handle (resilient_train.agent.console).
     folded = FoldedStderr(on_closed=lambda: agent.console.closed(Std.ERR))
     with folded:
         try:
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         from chaos.cli import main as chaos_main
 
         return chaos_main(argv[1:])
-    from monitors.cliargs import OneLineParser, integer
+    from resilient_train.base.cliargs import OneLineParser, integer
 
     parser = OneLineParser(prog="resilient-train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from monitors.configtree import dataclass_in, hints, type_name
+from resilient_train.base.configtree import dataclass_in, hints, type_name
 from resilient_train.runconfig import LINKS, PYTHON_ONLY, SECTIONS, RunConfig
 
 __all__ = ["BEGIN", "END", "field_docs", "main", "markdown", "write_files", "yaml_example"]
@@ -99,7 +99,7 @@ class _Text(str):
 
 
 def _show(value: Any) -> str:
-    from monitors.configtree import to_plain
+    from resilient_train.base.configtree import to_plain
 
     if isinstance(value, _Text):
         return str(value)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from monitors import max_local_ranks, read_events
-from monitors.safefiles import writable_dir
+from resilient_train.base.safefiles import writable_dir
 
 __all__ = ["run_demo", "summarize_recoveries"]
 

@@ -17,13 +17,13 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from monitors.cliargs import MAX_SECONDS, check_host, host, integer, number, port
+from resilient_train.base.cliargs import MAX_SECONDS, check_host, host, integer, number, port
 from resilient_train.agent.config import SIGNALS
-from resilient_train.entry import Entry, EntryKind
-from resilient_train.jobtoken import read_token_file
+from resilient_train.agent.entry import Entry, EntryKind
+from resilient_train.protocol.jobtoken import read_token_file
 from resilient_train.runconfig import RunConfig, parse_key_value
-from resilient_train.slurmenv import slurm_defaults
-from resilient_train.workerio import parse_std_streams
+from resilient_train.agent.slurmenv import slurm_defaults
+from resilient_train.agent.workerio import parse_std_streams
 
 __all__ = ["RC", "add_run_arguments", "agent_fields"]
 
@@ -323,7 +323,7 @@ def agent_fields(args: argparse.Namespace, given: set[str], base: dict[str, Any]
 
 
 def _token_file(path: str | None) -> str | None:
-    """``--job-token-file``, read now: a bad one is one line before anything starts (resilient_train.jobtoken)."""
+    """``--job-token-file``, read now: a bad one is one line before anything starts (resilient_train.protocol.jobtoken)."""
     if path is not None:
         read_token_file(path, "--job-token-file")
     return path

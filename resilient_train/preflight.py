@@ -8,14 +8,14 @@ the command line prints before exiting 2. The limits and their reasons:
 * ranks per node: ``monitors.max_local_ranks()`` (4 per CPU core, at least 8);
 * faults: ``chaos.faults.MAX_FAULTS`` and ``MAX_CHAOS_BYTES`` (they reach the
   workers in one environment variable, which Linux caps at 128 KiB);
-* config files: ``monitors.configfile.MAX_CONFIG_BYTES`` and ``MAX_NESTING``, no
+* config files: ``resilient_train.base.configfile.MAX_CONFIG_BYTES`` and ``MAX_NESTING``, no
   YAML anchors or aliases;
 * ``--log-dir``: a directory this user can write (made private, ``0o700``,
   when it is created here: the workers' output can hold what the run
   directory keeps private).
 
 Numbers, ports and hosts are checked while the flags are parsed
-(``monitors.cliargs``).
+(``resilient_train.base.cliargs``).
 """
 
 from __future__ import annotations

@@ -37,14 +37,14 @@ import yaml
 
 from checkpointing import CheckpointConfig
 from monitors import MonitorConfig
-from monitors.configfile import load_config_file
-from monitors.configtree import (build, convert, dataclass_in, leaf_keys, parse_text, set_key,
+from resilient_train.base.configfile import load_config_file
+from resilient_train.base.configtree import (build, convert, dataclass_in, leaf_keys, parse_text, set_key,
                                  to_plain, type_at)
 from monitors.dashboard.server import DashboardConfig
 from resilient_train.agent.config import AgentConfig
-from resilient_train.config import ROOT_SECTIONS, SupervisorConfig
-from resilient_train.preempt import PreemptionConfig
-from resilient_train.rerun import RerunConfig
+from resilient_train.rank.config import ROOT_SECTIONS, SupervisorConfig
+from resilient_train.rank.preempt import PreemptionConfig
+from resilient_train.rank.rerun import RerunConfig
 
 __all__ = ["LINKS", "PYTHON_ONLY", "RUN_CONFIG_FILE", "RunConfig"]
 
@@ -111,7 +111,7 @@ class RunConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> "RunConfig":
-        """From a YAML (or JSON) file: plain data only, bounded (``monitors.configfile``)."""
+        """From a YAML (or JSON) file: plain data only, bounded (``resilient_train.base.configfile``)."""
         return cls.from_dict(load_config_file(path, "run config"), label=f"run config {str(path)!r}")
 
     def to_dict(self) -> dict[str, Any]:

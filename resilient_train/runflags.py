@@ -25,9 +25,9 @@ import os
 from typing import Any
 
 from monitors import MonitorConfig
-from monitors.configfile import load_config_file
-from monitors.configtree import set_key
-from resilient_train import env as envvars
+from resilient_train.base.configfile import load_config_file
+from resilient_train.base.configtree import set_key
+from resilient_train.protocol import env as envvars
 from resilient_train.launch import RC, add_run_arguments, agent_fields
 from resilient_train.runconfig import RunConfig
 
@@ -36,7 +36,7 @@ __all__ = ["given_flags", "run_config"]
 
 def given_flags(argv: list[str]) -> set[str]:
     """The destinations of the flags (and the positional) that ``argv`` (``run``'s own arguments) gives."""
-    from monitors.cliargs import OneLineParser
+    from resilient_train.base.cliargs import OneLineParser
 
     p = OneLineParser(prog="resilient-train run", add_help=False)
     add_run_arguments(p)

@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from monitors.cliargs import OneLineParser
+from resilient_train.base.cliargs import OneLineParser
 from resilient_train.cli import main
 
 __all__ = ["SUBCOMMANDS", "parsers"]

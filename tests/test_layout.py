@@ -1,14 +1,32 @@
-"""The layout's rules, read from the source: no import cycle, no module over 400 lines, the layering kept.
+"""The layout's rules, read from the source: no import cycle, imports one way down the layers, no module over
+400 lines, no two public classes of one name.
 
 The import graph is of the four packages (resilient_train, checkpointing,
 monitors, chaos), every import counted, those inside functions and under
 ``TYPE_CHECKING`` too: ``from pkg import name`` depends on the submodule
 ``pkg.name`` when there is one, else on ``pkg`` itself (its ``__init__``).
+
+The layers, lowest first (``LAYERS`` says what each may import besides itself):
+
+- ``resilient_train.base``: exit codes, config files and trees, safe files, lazy names, flags; imports nothing
+  of the project;
+- the lower packages, in order: ``monitors``, ``checkpointing``, ``chaos``; of the runtime they import
+  ``resilient_train.base`` only;
+- ``resilient_train.protocol``: what both sides speak (the store and its keys, the workers' environment, nodes,
+  shutdown, the job's secret, a generation's members, the store's succession);
+- the two sides, which never import each other: ``resilient_train.rank`` (the Supervisor's lifecycle, inside
+  each rank) and ``resilient_train.agent`` (the node agent and its helpers);
+- the top: ``resilient_train``'s own modules (the CLI, ``run``'s flags, the run config, the demo) and
+  ``resilient_train.integrations``, which compose both sides.
+
+The package ``resilient_train`` itself (its ``__init__``) is the public API, every name imported lazily: at run
+time it imports ``resilient_train.base`` only (a test checks it), so any layer of the runtime may import it.
 """
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -16,12 +34,25 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("resilient_train", "checkpointing", "monitors", "chaos")
 MAX_LINES = 400
-LOWER = ("chaos", "monitors", "checkpointing")  # never import resilient_train
+ROOMS = ("base", "protocol", "rank", "agent")  # resilient_train's sub-packages that are layers
+LOWER = ("monitors", "checkpointing", "chaos")
+LAYERS: dict[str, set[str]] = {  # what each layer may import besides itself; "top" may import anything
+    "base": set(),
+    "monitors": {"base"},
+    "checkpointing": {"base", "monitors"},
+    "chaos": {"base", "monitors", "checkpointing"},
+    "protocol": {"base", *LOWER, "api"},
+    "rank": {"base", *LOWER, "protocol", "api"},
+    "agent": {"base", *LOWER, "protocol", "api"},
+}
 
 # Exceptions to the rules, each to be removed with its fix (a test fails when one listed here is gone). Issue 25
 # item 2 (the step path runs one way) emptied both: no cycle context -> stepping -> supervisor, supervisor.py split.
 KNOWN_CYCLES: set[frozenset[str]] = set()
-KNOWN_LONG: set[str] = set()
+KNOWN_LONG: set[str] = {"checkpointing.manager", "monitors.hang", "monitors.progress"}
+KNOWN_TWINS: set[str] = {"Census", "Failure", "Fence", "IllegalTransition", "Keys", "Membership", "Recovery",
+                         "StoreLost", "Verdict"}
+KNOWN_WRONG_WAY: set[tuple[str, str]] = {("resilient_train.agent.state", "resilient_train.rank.lifecycle")}
 
 
 def _modules() -> dict[str, Path]:
@@ -125,24 +156,112 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycles(graph) == [frozenset({"a", "b", "c"})]
 
 
+def _layer(module: str) -> str:
+    """The layer of ``module``: a lower package, a room of resilient_train, "api" (its ``__init__``) or "top"."""
+    parts = module.split(".")
+    if parts[0] != "resilient_train":
+        return parts[0]
+    if len(parts) == 1:
+        return "api"
+    return parts[1] if parts[1] in ROOMS else "top"
+
+
+def _wrong_way(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """The imports that go up, or across between the two sides: (importer, imported)."""
+    return {(name, dep) for name, deps in graph.items() for dep in deps
+            if (layer := _layer(name)) in LAYERS and _layer(dep) != layer and _layer(dep) not in LAYERS[layer]}
+
+
+def _long(modules: dict[str, Path]) -> dict[str, int]:
+    return {name: n for name, path in modules.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+
+
+def _twins(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Public classes (module level, no leading underscore) of one name in more than one module."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for name, path in modules.items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where[node.name].append(name)
+    return {cls: sorted(names) for cls, names in where.items() if len(names) > 1}
+
+
 @pytest.mark.timeout(60)
-def test_no_module_of_the_runtime_is_over_400_lines() -> None:
-    long = {name: n for name, path in _modules().items() if name.startswith("resilient_train")
-            and (n := len(path.read_text().splitlines())) > MAX_LINES}
+def test_no_module_is_over_400_lines() -> None:
+    long = _long(_modules())
     assert set(long) - KNOWN_LONG == set(), f"modules over {MAX_LINES} lines: {long}"
     assert set(long) == KNOWN_LONG, "a known long module is short now: remove it from KNOWN_LONG"
 
 
 @pytest.mark.timeout(60)
-def test_the_lower_packages_never_import_the_runtime() -> None:
-    bad = {name: sorted(d for d in deps if d.split(".")[0] == "resilient_train")
-           for name, deps in _graph().items() if name.split(".")[0] in LOWER}
-    assert not {k: v for k, v in bad.items() if v}, bad
+def test_the_line_count_finds_a_long_module(tmp_path: Path) -> None:
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_LINES)
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert _long({"short": tmp_path / "short.py", "long": tmp_path / "long.py"}) == {"long": MAX_LINES + 1}
+
+
+@pytest.mark.timeout(60)
+def test_imports_go_one_way_down_the_layers() -> None:
+    wrong = _wrong_way(_graph())
+    assert wrong - KNOWN_WRONG_WAY == set(), f"imports against the layers: {sorted(wrong - KNOWN_WRONG_WAY)}"
+    assert wrong == KNOWN_WRONG_WAY, "a known wrong-way import is gone: remove it from KNOWN_WRONG_WAY"
+
+
+@pytest.mark.timeout(60)
+def test_the_layer_rule_finds_imports_that_go_up_or_across() -> None:
+    graph = {
+        "resilient_train.base.a": {"monitors.events"},  # the base imports a lower package
+        "monitors.events": {"resilient_train.base.a", "resilient_train.protocol.store"},  # a lower one the runtime
+        "checkpointing.x": {"monitors.events", "chaos.faults"},  # checkpointing is below chaos
+        "chaos.faults": {"checkpointing.x", "resilient_train.base.a"},
+        "resilient_train.protocol.store": {"resilient_train.rank.fence"},  # the protocol imports a side
+        "resilient_train.rank.fence": {"resilient_train.protocol.store", "resilient_train.agent.events"},  # across
+        "resilient_train.agent.events": {"resilient_train", "resilient_train.cli"},  # the top
+        "resilient_train.cli": {"resilient_train.rank.fence", "resilient_train.agent.events"},
+        "resilient_train": {"resilient_train.base.a"},
+    }
+    assert _wrong_way(graph) == {
+        ("resilient_train.base.a", "monitors.events"),
+        ("monitors.events", "resilient_train.protocol.store"),
+        ("checkpointing.x", "chaos.faults"),
+        ("resilient_train.protocol.store", "resilient_train.rank.fence"),
+        ("resilient_train.rank.fence", "resilient_train.agent.events"),
+        ("resilient_train.agent.events", "resilient_train.cli"),
+    }
+
+
+@pytest.mark.timeout(60)
+def test_the_public_api_imports_only_the_base_at_run_time() -> None:
+    """``import resilient_train`` is cheap, so every layer may import it: its names load when first used."""
+    path = REPO / "resilient_train" / "__init__.py"
+    tree = ast.parse(path.read_text())
+    run_time = set()
+    for node in tree.body:  # module level only: the TYPE_CHECKING block is an If, left out
+        if isinstance(node, ast.ImportFrom) and node.module:
+            run_time.add(node.module)
+        elif isinstance(node, ast.Import):
+            run_time.update(alias.name for alias in node.names)
+    ours = {m for m in run_time if m.split(".")[0] in PACKAGES}
+    assert ours and all(m.startswith("resilient_train.base.") for m in ours), ours
+
+
+@pytest.mark.timeout(60)
+def test_no_two_public_classes_share_a_name() -> None:
+    twins = _twins(_modules())
+    assert set(twins) - KNOWN_TWINS == set(), f"public classes of one name: {twins}"
+    assert set(twins) == KNOWN_TWINS, "a known twin is gone: remove it from KNOWN_TWINS"
+
+
+@pytest.mark.timeout(60)
+def test_the_twin_finder_finds_two_classes_of_one_name(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("class Fence:\n    pass\n\n\nclass _Private:\n    pass\n")
+    (tmp_path / "b.py").write_text("class Fence:\n    pass\n\n\nclass _Private:\n    pass\n\n\nclass Only:\n    pass\n")
+    assert _twins({"a": tmp_path / "a.py", "b": tmp_path / "b.py"}) == {"Fence": ["a", "b"]}
 
 
 @pytest.mark.timeout(60)
 def test_from_a_package_import_a_name_depends_on_the_submodule_only() -> None:
     graph = _graph()
-    assert "resilient_train.exitcodes" in graph["resilient_train.agent.state"]  # from resilient_train import exitcodes
-    assert "resilient_train" not in graph["resilient_train.agent.state"]
+    assert "resilient_train.base.exitcodes" in graph["resilient_train.agent.state"]  # from ...base import exitcodes
+    assert "resilient_train.base" not in graph["resilient_train.agent.state"]
     assert "resilient_train.agent.config" in graph["resilient_train.agent"]

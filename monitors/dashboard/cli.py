@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import TextIO
 
-from monitors.cliargs import OneLineParser, host, port
+from resilient_train.base.cliargs import OneLineParser, host, port
 
 __all__ = ["dashboard_main"]
 

@@ -7,7 +7,7 @@ suspend``/``resume``, SIGSTOP to the process group), or its host froze (a VM
 migrated). The ranks were stopped with it, or ran unwatched; either way the
 time is no evidence against them: the hang detector and the node watch start
 their clocks again (monitors.hang ``HangDetector.paused``,
-resilient_train.nodes ``NodeWatch.excuse``).
+resilient_train.protocol.nodes ``NodeWatch.excuse``).
 """
 
 from __future__ import annotations

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from monitors import MonitorConfig
-from monitors.cliargs import check_host
+from resilient_train.base.cliargs import check_host
 from monitors.dashboard.server import DashboardConfig, DashboardUnavailable
 from monitors.dashboard.server import check_available as check_dashboard
-from resilient_train.entry import Entry, EntryKind
-from resilient_train.jobtoken import read_token_file
-from resilient_train.shutdown import check_seconds
-from resilient_train.workerio import OutputConfig
+from resilient_train.agent.entry import Entry, EntryKind
+from resilient_train.protocol.jobtoken import read_token_file
+from resilient_train.protocol.shutdown import check_seconds
+from resilient_train.agent.workerio import OutputConfig
 
 __all__ = ["SIGNALS", "AgentConfig"]
 
@@ -52,12 +52,12 @@ class AgentConfig:
     output: OutputConfig = field(default_factory=OutputConfig)  # the workers' stdout and stderr
     signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # forwarded to the workers
     # After a forwarded signal, then SIGKILL (None: torchrun's 30 s); a Supervisor job follows its ranks'
-    # preemption grace instead (resilient_train.shutdown).
+    # preemption grace instead (resilient_train.protocol.shutdown).
     shutdown_timeout_s: float | None = None
     virtual_local_rank: bool = False  # LOCAL_RANK=0 for every worker, each seeing only its own GPU
-    spare: bool = False  # a spare node's agent: it waits, then takes over a lost node (resilient_train.nodes)
+    spare: bool = False  # a spare node's agent: it waits, then takes over a lost node (resilient_train.protocol.nodes)
     node_timeout_s: float = 10.0  # a node whose agent has not beaten for this long is lost
-    job_token_file: str | None = None  # many nodes: the file holding the job's secret (resilient_train.jobtoken)
+    job_token_file: str | None = None  # many nodes: the file holding the job's secret (resilient_train.protocol.jobtoken)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # hangs, stragglers, metrics
     dashboard: DashboardConfig | None = None  # serve the live dashboard (monitors.dashboard) while the job runs
 

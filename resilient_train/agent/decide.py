@@ -12,15 +12,15 @@ budgets). The loop carries the decision out. The rules, by event:
   too; 75 is a preemption its ranks began; any other failure after the run's
   final state is committed is ignored; a Supervisor rank is replaced in place
   (within ``--max-replacements``); a plain script's workers are all restarted,
-  torchrun's way, within ``--max-restarts`` (resilient_train.restarts: the
+  torchrun's way, within ``--max-restarts`` (resilient_train.agent.restarts: the
   first to exit is blamed, the same crash twice without progress stops it);
 * a rank hung (or a straggler, under the "replace" policy): killed, a hung
   one after its stacks are dumped;
 * a node lost: claimed (the first claimer hands it to a spare);
-* a signal, or another node's: the shutdown (resilient_train.shutdown);
+* a signal, or another node's: the shutdown (resilient_train.protocol.shutdown);
 * every worker succeeded: leave the job with 0;
 * this node declared lost while its agent lived (its own loss key, or a rank
-  that exited FENCED): fenced, exit 94 (resilient_train.fence);
+  that exited FENCED): fenced, exit 94 (resilient_train.rank.fence);
 * the store lost: 0 if this node's ranks had finished; on node 0, whose
   agent hosts the store, give up with exit 1; on any other node fenced, exit
   94: its agent cannot tell node 0's loss from its own link's, nor know
@@ -36,7 +36,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from resilient_train import exitcodes
+from resilient_train.base import exitcodes
 from resilient_train.agent.events import (
     AllSucceeded, ClaimNode, Decision, EnableSpares, End, Event, Fail, Fence, Fenced, Ignore, JobEnded, Kill,
     KillDumped, Leave, MoveStore, NoMajority,
@@ -45,8 +45,8 @@ from resilient_train.agent.events import (
     SupervisedSeen, TakeNode, TakeOffer, WorkerExited,
 )
 from resilient_train.agent.state import AgentState
-from resilient_train.restarts import Decision as Restart
-from resilient_train.restarts import Failure, RestartPolicy
+from resilient_train.agent.restarts import Decision as Restart
+from resilient_train.agent.restarts import Failure, RestartPolicy
 
 __all__ = ["View", "blame", "decide"]
 
@@ -134,7 +134,7 @@ def _worker_exited(view: View, e: WorkerExited) -> Decision:
     if e.rc == 0 and not e.early:
         return MarkSucceeded(rank=e.rank)
     if e.rc == exitcodes.FENCED:
-        # It saw its node declared lost (resilient_train.fence): so was this agent, stopped meanwhile.
+        # It saw its node declared lost (resilient_train.rank.fence): so was this agent, stopped meanwhile.
         return Fence(how=f"rank {e.rank} found its node declared lost and left")
     if e.rc == exitcodes.STOPPED or e.stop is not None:
         # A rank stopped the job (a bug that reproduced, a misuse, a full disk): nothing to replace.
@@ -143,7 +143,7 @@ def _worker_exited(view: View, e: WorkerExited) -> Decision:
         return StopJob(rank=e.rank, rc=e.rc, exit_code=int(stop.get("exit_code", exitcodes.STOPPED)),
                        reason=str(stop.get("summary")) if who == -1 else f"rank {who} stopped it: {stop.get('summary')}")
     if e.rc == exitcodes.REQUEUE:
-        # Preempted: every rank stopped at one boundary after its checkpoint (resilient_train.preempt).
+        # Preempted: every rank stopped at one boundary after its checkpoint (resilient_train.rank.preempt).
         return ShutDown(signum=None, signalled=False, preempted_rank=e.rank)
     if e.rc == exitcodes.VALIDATION_FAILED:
         # The rerun policy stopped the job after saving the last good state: not a rank to replace.
@@ -198,7 +198,7 @@ def _store_lost(view: View, e: StoreLost) -> Decision:
     if view.movable and view.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.WAITING_FOR_NODE):
         return MoveStore(error=e.error)  # to the store's first successor alive (resilient_train.agent.succession)
     # Node 0's host gone and this node cut off look the same from here; cut off, the job may have declared this
-    # node lost and given its ranks to a spare already: they must not run on (resilient_train.fence).
+    # node lost and given its ranks to a spare already: they must not run on (resilient_train.rank.fence).
     line = (f"lost the store on {view.store_address} (node 0's agent is gone or does not answer, or this node is "
             f"cut off from it: {e.error[:120]}): this node cannot know whether it was declared lost, so its ranks "
             f"are fenced out (exit code {exitcodes.FENCED}); if the job stopped, start it again to resume from its "

@@ -1,7 +1,7 @@
 """How this agent's part of the job ends: a shutdown (a signal, a preemption), a rank's stop, or success; leaving.
 
 The shutdown's policy (one grace, the exit code from the ranks' records) is
-resilient_train.shutdown's; here is the agent's sequence around it: forward
+resilient_train.protocol.shutdown's; here is the agent's sequence around it: forward
 the signal, wait out the grace, SIGKILL the rest, say the verdict, and leave.
 A rank's stop (STOPPING) gives the ranks a short grace to leave on their own.
 Leaving (many nodes) tells the job this node is done; node 0's agent, which
@@ -16,12 +16,12 @@ from typing import Callable
 import torch.distributed as dist
 
 from monitors import EventLog
-from resilient_train import exitcodes
+from resilient_train.base import exitcodes
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.membership import Membership
 from resilient_train.agent.state import AgentLifecycle, AgentState
 from resilient_train.agent.workers import Workers
-from resilient_train.shutdown import PLAIN_SHUTDOWN_TIMEOUT_S, Shutdown
+from resilient_train.protocol.shutdown import PLAIN_SHUTDOWN_TIMEOUT_S, Shutdown
 
 __all__ = ["Ending", "STOP_GRACE_S"]
 

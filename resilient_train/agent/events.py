@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from resilient_train.restarts import Failure
+from resilient_train.agent.restarts import Failure
 
 __all__ = [
     "AllSucceeded", "ClaimNode", "Decision", "EnableSpares", "End", "Event", "Fail", "Fence", "Fenced", "Ignore",

@@ -1,6 +1,6 @@
 """A node's death seen at once: each agent holds one TCP connection to node 0's agent while it lives.
 
-The beats (resilient_train.nodes) find a lost node ``--node-timeout`` after its
+The beats (resilient_train.protocol.nodes) find a lost node ``--node-timeout`` after its
 last beat, whatever killed it: a host that died, a link cut. But most losses
 are the node's processes dying on a host that lives (an out-of-memory kill, a
 crash, a scheduler's SIGKILL): the kernel then closes their sockets at once. So

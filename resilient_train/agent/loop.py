@@ -6,9 +6,9 @@ them. A supervised worker that dies is replaced in place: the agent declares
 its generation failed (the survivors roll back and wait) and hands the rank to
 a warm spare. A script that does not use the supervisor gets torchrun's
 behaviour instead: every worker is restarted, within ``--max-restarts``, on a
-fresh store on the same port (resilient_train.restarts says when it stops
+fresh store on the same port (resilient_train.agent.restarts says when it stops
 early, and whom it blames). Every worker's output passes through the agent
-(resilient_train.workerio).
+(resilient_train.agent.workerio).
 
 Each policy is a module of this package (the store, the workers, hangs,
 monitor state, many nodes, signals, the ending); each poller returns events
@@ -44,14 +44,14 @@ from resilient_train.agent.startwords import start_lines
 from resilient_train.agent.state import AgentError, AgentLifecycle, AgentState
 from resilient_train.agent.storehost import StoreHost
 from resilient_train.agent.workers import Workers, WorkerState
-from resilient_train import env as E
-from resilient_train import exitcodes
-from resilient_train.entry import Entry
-from resilient_train.rundir import RunDirError, take_run_dir
-from resilient_train.slurmenv import slurm_job
-from resilient_train.spares import SparePool, spare_env, spares_wanted
-from resilient_train.store import Keys
-from resilient_train.console import Console, Std
+from resilient_train.protocol import env as E
+from resilient_train.base import exitcodes
+from resilient_train.agent.entry import Entry
+from resilient_train.agent.rundir import RunDirError, take_run_dir
+from resilient_train.agent.slurmenv import slurm_job
+from resilient_train.agent.spares import SparePool, spare_env, spares_wanted
+from resilient_train.protocol.store import Keys
+from resilient_train.agent.console import Console, Std
 
 __all__ = ["Agent"]
 
@@ -68,7 +68,7 @@ class Agent:
         self.lifecycle = AgentLifecycle()
         hosting = c.node_rank == 0 and not c.spare
         # Private to its owner, no links where the runtime writes, and locked for this job's life:
-        # a second job on the same run directory is refused (resilient_train.rundir).
+        # a second job on the same run directory is refused (resilient_train.agent.rundir).
         lock = ".lock" if hosting or c.nnodes == 1 else (f".lock.spare-{os.getpid()}" if c.spare
                                                          else f".lock.node{c.node_rank}")
         try:
@@ -362,7 +362,7 @@ class Agent:
                            spares=self.spares)
 
     def _spare_pool(self) -> SparePool | None:
-        """The warm spares (resilient_train.spares), each with this node's worker environment."""
+        """The warm spares (resilient_train.agent.spares), each with this node's worker environment."""
         c = self.config
         if not c.warm_spare or c.spares == 0 or self.entry.python_argv is None:
             return None

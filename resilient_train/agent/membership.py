@@ -1,6 +1,6 @@
 """This agent's place in a many-node job: its node's registration and beat, the losses it sees, its leaving.
 
-The keys and the ring of watchers are resilient_train.nodes'. Here is what
+The keys and the ring of watchers are resilient_train.protocol.nodes'. Here is what
 one agent does with them: it registers an incarnation of its node and beats
 on its own thread; it reports the nodes it watches that went silent
 (:class:`~resilient_train.agent.events.NodeLost`) and, when its claim wins,
@@ -18,18 +18,22 @@ from typing import Callable
 import torch.distributed as dist
 
 from monitors import EventLog
-from resilient_train.succession.location import call_timeout_s
+from resilient_train.protocol.succession.location import call_timeout_s
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.events import Fenced, JobEnded, NodeAssigned, NodeLost
-from resilient_train.nodes import FENCE_WAIT_S, Heartbeat, NodeKeys, assign_spare, claim_loss, register_node, register_spare
-from resilient_train import exitcodes
+from resilient_train.protocol.nodes import (
+    FENCE_WAIT_S, Heartbeat, NodeKeys, assign_spare, claim_loss, register_node, register_spare,
+)
+from resilient_train.base import exitcodes
 from resilient_train.agent.liveness import LivenessClient, LivenessServer
 from resilient_train.agent.succession import MOVED_CLAIM, AgentSuccession, Moved
-from resilient_train.succession.protocol import Keys as SuccessionKeys
+from resilient_train.protocol.succession.rules import Keys as SuccessionKeys
 from resilient_train.agent.width import BelowMinimum, grow, is_member, shrink, start_members, wait_for_start
-from resilient_train.elastic.members import members_of
-from resilient_train.store import Keys, current_generation, declare_fault, interrupt_for_stop, read_stop, request_stop
-from resilient_train.succession.location import Endpoint
+from resilient_train.protocol.members import members_of
+from resilient_train.protocol.store import (
+    Keys, current_generation, declare_fault, interrupt_for_stop, read_stop, request_stop,
+)
+from resilient_train.protocol.succession.location import Endpoint
 
 __all__ = ["Membership", "fence_wait_s"]
 
@@ -42,7 +46,7 @@ def fence_wait_s(node_timeout_s: float) -> float:
     """How long the agent that takes a node over waits for the lost incarnation's ranks to acknowledge their
     fence before it starts the replacements: ``min(FENCE_WAIT_S, node timeout)``, and, when that node is only
     cut off (its ranks alive, unable to read their fence), until its own agent has given up on the store and
-    killed them (resilient_train.fence): its store calls' deadline (``call_timeout_s``) runs from about when
+    killed them (resilient_train.rank.fence): its store calls' deadline (``call_timeout_s``) runs from about when
     its beat stopped, and exceeds the node timeout below 5 s."""
     return min(FENCE_WAIT_S, node_timeout_s) + max(0.0, call_timeout_s(node_timeout_s) - node_timeout_s)
 
@@ -116,7 +120,7 @@ class Membership:
 
     def _fence_previous(self, store: dist.Store, returning: bool) -> None:
         """Before this node's ranks start again: the previous incarnation's ranks can no longer join (its loss
-        is claimed), and each has left, or had :data:`FENCE_WAIT_S` to (resilient_train.nodes)."""
+        is claimed), and each has left, or had :data:`FENCE_WAIT_S` to (resilient_train.protocol.nodes)."""
         c = self.config
         previous = self.incarnation - 1
         if claim_loss(store, c.node_rank, previous, by=c.node_rank) and returning:
@@ -127,7 +131,7 @@ class Membership:
                 world_size=c.world_size)
         if store.get(NodeKeys.lost(c.node_rank, previous)).decode().startswith(MOVED_CLAIM):
             # Lost with the store it hosted: its ranks can only reach the store through that agent's word (they
-            # follow their own agent: resilient_train.succession.follow), which never comes. Nothing to wait for.
+            # follow their own agent: resilient_train.rank.storefollow), which never comes. Nothing to wait for.
             self.events.emit("node_fenced", node=c.node_rank, incarnation=previous, left=[], missing=list(c.ranks()),
                              waited_s=0.0, store_moved=True)
             return
@@ -318,7 +322,7 @@ class Membership:
         index = self.spare_index = register_spare(store)
         here = self._endpoint()
         entry = self.succession.register(store, addr=here.addr, port=here.port, node=None, incarnation=0, spare=index)
-        # A spare votes for the store's next host too: it beats under its entry (resilient_train.succession).
+        # A spare votes for the store's next host too: it beats under its entry (resilient_train.protocol.succession).
         self._heartbeat = Heartbeat(connect, None, 0, also=(SuccessionKeys.beat(entry.index),))
         self.events.emit("spare_waiting", spare=index)
         self._say(f"spare node agent {index}: waiting for a node to replace")

@@ -2,7 +2,7 @@
 
 What the loop does with a ``MoveStore`` decision: find or open the next
 store, point every connection of the agent at it, tell this node's ranks
-where it is (they follow their own agent: resilient_train.succession.follow),
+where it is (they follow their own agent: resilient_train.rank.storefollow),
 register this node there again, and, as the new host, hand the lost host's
 node on (a spare, or an elastic job's survivors). No store opening is one
 more event for the loop to decide (``NoMajority``).
@@ -18,11 +18,11 @@ from typing import Callable
 from monitors import EventLog
 from resilient_train.agent import events as ev
 from resilient_train.agent.membership import Membership
-from resilient_train import env as E
+from resilient_train.protocol import env as E
 from resilient_train.agent.clock import PauseClock
 from resilient_train.agent.storehost import StoreHost
 from resilient_train.agent.succession import NotMoved
-from resilient_train.succession.location import announce, call_timeout_s
+from resilient_train.protocol.succession.location import announce, call_timeout_s
 
 __all__ = ["announce_path", "move_store", "store_env"]
 

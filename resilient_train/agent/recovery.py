@@ -5,7 +5,7 @@ A Supervisor rank is replaced in place: its generation is declared failed
 generation's join) and the rank starts again with the same id, from a warm
 spare, within ``--max-replacements``. A plain script gets torchrun's recovery
 instead (RESTARTING): every worker is killed and started again on a fresh
-store on the same port, within ``--max-restarts``; resilient_train.restarts
+store on the same port, within ``--max-restarts``; resilient_train.agent.restarts
 says when the same crash again stops it, and whom to blame.
 """
 
@@ -21,8 +21,8 @@ from resilient_train.agent.hangs import HangPolicy
 from resilient_train.agent.state import AgentLifecycle, AgentState
 from resilient_train.agent.storehost import StoreHost
 from resilient_train.agent.workers import Workers
-from resilient_train.restarts import Failure, RestartPolicy
-from resilient_train.store import current_generation, declare_fault, interrupt_for_stop, request_stop
+from resilient_train.agent.restarts import Failure, RestartPolicy
+from resilient_train.protocol.store import current_generation, declare_fault, interrupt_for_stop, request_stop
 
 __all__ = ["Recovery"]
 

@@ -5,7 +5,7 @@ and the final state; the agent its monitor state. A directory removed (or
 replaced by another one at the same path) or a filesystem remounted read-only
 while the job runs is not cured by any replacement: once a second the agent
 looks (one ``stat`` and one ``statvfs``) and, at the first sign, the job stops
-with :data:`~resilient_train.exitcodes.STORAGE` (74) and one line saying what
+with :data:`~resilient_train.base.exitcodes.STORAGE` (74) and one line saying what
 it found. A full disk is found by the write that fails (exit 28).
 """
 

@@ -13,7 +13,7 @@ import signal
 from typing import Any
 
 from resilient_train.agent.events import Signalled
-from resilient_train.workerio import Console
+from resilient_train.agent.workerio import Console
 
 __all__ = ["SignalTrap"]
 

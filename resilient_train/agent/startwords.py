@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from resilient_train.agent.config import AgentConfig
-from resilient_train.entry import Entry
+from resilient_train.agent.entry import Entry
 
 __all__ = ["start_lines"]
 
@@ -18,5 +18,5 @@ def start_lines(config: AgentConfig, entry: Entry, *, omp_default: bool, fd_warn
         lines.append(fd_warning)
     if config.monitor.hang.enabled and not entry.mentions_runtime():
         lines.append(f"hang detection is off for {Path(entry.target).name}: its ranks report no progress "
-                     "(call resilient_train.heartbeat() once a step to turn it on)")
+                     "(call resilient_train.rank.heartbeat() once a step to turn it on)")
     return lines

@@ -28,8 +28,8 @@ import signal
 from dataclasses import dataclass, field
 from enum import Enum
 
-from resilient_train import exitcodes
-from resilient_train.lifecycle import IllegalTransition
+from resilient_train.base import exitcodes
+from resilient_train.rank.lifecycle import IllegalTransition
 
 __all__ = ["AgentError", "AgentLifecycle", "AgentState", "AgentStopped", "IllegalTransition", "allowed_moves"]
 
@@ -42,7 +42,7 @@ class AgentState(str, Enum):
     STOPPING = "stopping"  # a rank stopped the job: the ranks leave, the rest are killed after a grace
     SHUTTING_DOWN = "shutting_down"  # a signal or a preemption: the ranks' grace, then SIGKILL and the verdict
     LEAVING = "leaving"  # many nodes: this node is done; node 0 keeps the store until the others are
-    FENCED = "fenced"  # declared lost, or cut off from the store (resilient_train.fence): ranks killed, it leaves
+    FENCED = "fenced"  # declared lost, or cut off from the store (resilient_train.rank.fence): ranks killed, it leaves
     DONE = "done"  # ended with the code its policies decided
     FAILED = "failed"  # gave up (an AgentError)
 

@@ -3,7 +3,7 @@
 Node 0's agent (or a one-node job's) hosts a TCPStore without libuv on a
 socket it opened itself on ``--master-addr`` only (loopback by default), so a
 port in use is one line before anything starts. Every key of the job lives
-under its secret namespace (resilient_train.jobtoken) and under the attempt
+under its secret namespace (resilient_train.protocol.jobtoken) and under the attempt
 (torchrun's restart count). A restart of every worker gets a fresh store on
 the same port: the last attempt's keys (its process group's among them) must
 not be met again, and a script that was given a port keeps it.
@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from resilient_train import env as E
-from resilient_train import fdlimit
-from resilient_train.succession.location import call_timeout_s
+from resilient_train.protocol import env as E
+from resilient_train.agent import fdlimit
+from resilient_train.protocol.succession.location import call_timeout_s
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.state import AgentError
 from resilient_train.agent.succession import AgentSuccession
-from resilient_train.jobtoken import check_fingerprint, publish_fingerprint, shared_token
-from resilient_train.store import Keys, attempt_store, job_store, new_token
-from resilient_train.succession.location import Endpoint, StoreLocation
-from resilient_train.succession.movable import MovableStore
+from resilient_train.protocol.jobtoken import check_fingerprint, publish_fingerprint, shared_token
+from resilient_train.protocol.store import Keys, attempt_store, job_store, new_token
+from resilient_train.protocol.succession.location import Endpoint, StoreLocation
+from resilient_train.protocol.succession.movable import MovableStore
 
 __all__ = ["StoreHost", "job_token"]
 
@@ -156,7 +156,7 @@ class StoreHost:
 
 def job_token(config: AgentConfig) -> tuple[str, str]:
     """The job's secret namespace in the store and where it came from; the agents of a many-node job share it
-    (resilient_train.jobtoken: never derived from --rdzv-id, which ``ps`` shows)."""
+    (resilient_train.protocol.jobtoken: never derived from --rdzv-id, which ``ps`` shows)."""
     if config.nnodes == 1:
         return new_token(), "drawn by the agent"
     try:

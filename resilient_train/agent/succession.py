@@ -1,10 +1,10 @@
-"""The agent's side of the store's succession (resilient_train.succession): a standby store, an entry, the move.
+"""The agent's side of the store's succession (resilient_train.protocol.succession): a standby store, an entry, the move.
 
 Every agent of a many-node job registers an entry in the store: the address
 and port of a standby store it serves from the start (node 0's agent: the
 store itself), its node or spare index and its incarnation. The host keeps
 the succession (the live agents, nodes by node rank, then spares) in one
-key, and a census of their beats (resilient_train.succession.census); every
+key, and a census of their beats (resilient_train.protocol.succession.census); every
 other agent reads the succession once a second.
 
 When an agent loses the store (a reset connection, or a call past its
@@ -12,7 +12,7 @@ deadline), :meth:`AgentSuccession.move` tries the successors in order:
 
 * itself: it opens its standby store for the next epoch and waits for the
   agents of the last generation to come; with a majority
-  (resilient_train.succession.protocol.majority) it seeds what the new store
+  (resilient_train.protocol.succession.rules.majority) it seeds what the new store
   needs (the generation counter past every generation its agents knew, the
   lost host's node claimed lost, the spares, an elastic job's members), marks
   it open, and hosts;
@@ -39,17 +39,17 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from resilient_train.succession.location import call_timeout_s
+from resilient_train.protocol.succession.location import call_timeout_s
 from resilient_train.agent.glooif import source_address
-from resilient_train.elastic.members import members_key, read_members
-from resilient_train.jobtoken import check_fingerprint, publish_fingerprint
-from resilient_train.nodes import NodeKeys
-from resilient_train.store import Keys as StoreKeys
-from resilient_train.store import current_generation
-from resilient_train.succession.census import Census
-from resilient_train.succession.location import Endpoint, StoreLocation, StoreLost
-from resilient_train.succession.movable import MovableStore
-from resilient_train.succession.protocol import AgentEntry, Keys, Succession, majority, read_entries, register
+from resilient_train.protocol.members import members_key, read_members
+from resilient_train.protocol.jobtoken import check_fingerprint, publish_fingerprint
+from resilient_train.protocol.nodes import NodeKeys
+from resilient_train.protocol.store import Keys as StoreKeys
+from resilient_train.protocol.store import current_generation
+from resilient_train.protocol.succession.census import Census
+from resilient_train.protocol.succession.location import Endpoint, StoreLocation, StoreLost
+from resilient_train.protocol.succession.movable import MovableStore
+from resilient_train.protocol.succession.rules import AgentEntry, Keys, Succession, majority, read_entries, register
 
 __all__ = ["MOVED_CLAIM", "AgentSuccession", "Moved", "NotMoved", "Standby", "majority_wait_s"]
 
@@ -270,7 +270,7 @@ class AgentSuccession:
 
     def _seed(self, store: dist.Store, epoch: int, known: Succession, infos: list[dict[str, Any]],
               lost: tuple[AgentEntry, ...]) -> None:
-        """What the fresh store needs before it opens (resilient_train.succession.protocol's table)."""
+        """What the fresh store needs before it opens (resilient_train.protocol.succession.rules's table)."""
         assert self.standby is not None and self.entry is not None
         publish_fingerprint(self.standby.server, self.token)  # outside the namespace, as node 0 does
         entries = [AgentEntry.from_dict(i["entry"]) for i in infos if i.get("entry")]

@@ -2,7 +2,7 @@
 
 The job's logical width is fixed (MAX x ranks per node); its members are the
 slots (ranks) of the nodes that live. The agents change them, one generation
-at a time (resilient_train.elastic.members: a ``compare_set`` on the next
+at a time (resilient_train.protocol.members: a ``compare_set`` on the next
 generation's key, then the generation before is failed):
 
 * **start**: node 0's agent waits until MIN nodes registered (at most
@@ -29,9 +29,9 @@ from typing import Callable
 import torch.distributed as dist
 
 from resilient_train.agent.config import AgentConfig
-from resilient_train.elastic.members import members_of, propose_members, read_members
-from resilient_train.nodes import NodeKeys
-from resilient_train.store import Keys, current_generation, declare_fault, wait_until
+from resilient_train.protocol.members import members_of, propose_members, read_members
+from resilient_train.protocol.nodes import NodeKeys
+from resilient_train.protocol.store import Keys, current_generation, declare_fault, wait_until
 
 __all__ = ["BelowMinimum", "grow", "is_member", "node_slots", "shrink", "start_members", "wait_for_start"]
 
@@ -77,7 +77,7 @@ def start_members(store: dist.Store, config: AgentConfig, say: Callable[[str], N
 
 def wait_for_start(store: dist.Store, config: AgentConfig) -> None:
     """Any other agent: until node 0's agent named generation 0's members."""
-    from resilient_train.elastic.members import members_key
+    from resilient_train.protocol.members import members_key
 
     wait_until(lambda: store.check([members_key(0)]), timeout=config.join_timeout_s + config.last_call_s + 60,
                what="node 0 to name the job's first nodes", max_interval=0.2)

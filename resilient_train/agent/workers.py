@@ -4,9 +4,9 @@ A worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*,
 TORCHELASTIC_*) and ours (RT_*: the run directory, its generation, its role,
 the job's token; GLOO_SOCKET_IFNAME, the interface this node reaches the store
 over, resilient_train.agent.glooif). A replacement is handed to a warm spare when one fits
-(resilient_train.spares); every worker's output passes through the agent
-(resilient_train.workerio). :meth:`Workers.poll` reports exits in the order
-they happened (pidfd exit times, resilient_train.restarts.ExitClock) and acts
+(resilient_train.agent.spares); every worker's output passes through the agent
+(resilient_train.agent.workerio). :meth:`Workers.poll` reports exits in the order
+they happened (pidfd exit times, resilient_train.agent.restarts.ExitClock) and acts
 on none of them.
 """
 
@@ -24,16 +24,16 @@ from typing import Callable, Iterator
 import torch.distributed as dist
 
 from monitors import EventLog
-from resilient_train import env as E
+from resilient_train.protocol import env as E
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.events import WorkerExited
 from resilient_train.agent.glooif import GLOO_SOCKET_IFNAME, gloo_interface
 from resilient_train.agent.state import AgentError
-from resilient_train.entry import Entry
-from resilient_train.restarts import ExitClock, Failure
-from resilient_train.spares import SparePool, SpareState, die_with_parent
-from resilient_train.store import Keys, read_stop
-from resilient_train.workerio import Console, WorkerOutput
+from resilient_train.agent.entry import Entry
+from resilient_train.agent.restarts import ExitClock, Failure
+from resilient_train.agent.spares import SparePool, SpareState, die_with_parent
+from resilient_train.protocol.store import Keys, read_stop
+from resilient_train.agent.workerio import Console, WorkerOutput
 
 __all__ = ["Worker", "WorkerState", "Workers", "kill_reason"]
 
@@ -119,7 +119,7 @@ class Workers:
             E.RT_JOB_TOKEN: token,
         })
         if c.elastic:
-            env[E.RT_ELASTIC] = "1"  # WORLD_SIZE logical ranks on the live processes (resilient_train.elastic)
+            env[E.RT_ELASTIC] = "1"  # WORLD_SIZE logical ranks on the live processes (resilient_train.rank.elastic)
         env.update(extra or {})
         if error_file is not None:
             env["TORCHELASTIC_ERROR_FILE"] = str(error_file.resolve())

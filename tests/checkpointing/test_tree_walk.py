@@ -13,8 +13,8 @@ import torch
 
 from checkpointing.tree import (Gap, GapKind, Pair, children, fill_template, flatten_state, fold, leaves, map_leaves,
                                 pairs, skeleton_keys, unflatten_state)
-from resilient_train.local_state import same_local
-from resilient_train.snapshot import TensorRef, flatten, unflatten
+from resilient_train.rank.local_state import same_local
+from resilient_train.rank.snapshot import TensorRef, flatten, unflatten
 
 Point = collections.namedtuple("Point", "x y")
 

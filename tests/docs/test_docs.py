@@ -93,7 +93,7 @@ def test_every_test_the_registry_names_exists() -> None:
 
 @pytest.mark.timeout(120)
 def test_the_commands_that_run_elsewhere_parse_with_their_placeholders_filled(tmp_path: Path) -> None:
-    from monitors.cliargs import OneLineParser
+    from resilient_train.base.cliargs import OneLineParser
     from resilient_train.launch import add_run_arguments
     from resilient_train.runflags import run_config
 
@@ -189,17 +189,17 @@ def _resolves(dotted: str) -> bool:
 
 @pytest.mark.timeout(120)
 def test_every_module_name_and_config_key_the_docs_name_exists() -> None:
-    """`resilient_train.buddy`, `checkpointing.DiskFullError`, `monitors.hang.idle_timeout_s` (a run config key),
+    """`resilient_train.rank.buddy`, `checkpointing.DiskFullError`, `monitors.hang.idle_timeout_s` (a run config key),
     `python -m resilient_train.configdoc`, `rt.MeshSpec`, `sup.seed`, `ctx.data_rank`,
     `SupervisorConfig(buddy_every=k)`: each names something that exists."""
-    from resilient_train.context import StepContext
+    from resilient_train.rank.context import StepContext
     from resilient_train.runconfig import RunConfig
 
     keys = {k for k, _, _ in RunConfig.keys()}
     sections = {k.rsplit(".", n)[0] for k in keys for n in range(1, k.count(".") + 1)}
     classes = {name: getattr(rt, name) for name in rt.__all__ if name.endswith("Config")}
-    sources = {"rt": "", "sup": (REPO / "resilient_train" / "supervisor.py").read_text(),  # attributes set in __init__
-               "ctx": (REPO / "resilient_train" / "context.py").read_text()}
+    sources = {"rt": "", "sup": (REPO / "resilient_train" / "rank" / "supervisor.py").read_text(),  # attributes set in __init__
+               "ctx": (REPO / "resilient_train" / "rank" / "context.py").read_text()}
     bad = []
     checked = 0
     for file, line, span in inline_spans():
@@ -245,25 +245,29 @@ def test_the_ci_runs_the_readmes_test_command() -> None:
 
 
 # ------------------------------------------------------------- the layout
-def _layout_row() -> str:
+def _layout_rows() -> dict[str, str]:
+    """The README's layout rows of resilient_train/ and of each of its rooms, by the directory they name."""
     lines = (REPO / "README.md").read_text().splitlines()
-    (row,) = [line for line in lines if line.startswith("| `resilient_train/` |")]
-    return row
+    return {m.group(1): line for line in lines if (m := re.match(r"\| `(resilient_train/(?:\w+/)?)` \|", line))}
 
 
 @pytest.mark.timeout(60)
 def test_the_readme_layout_names_every_module() -> None:
-    """The README's layout row names each module of resilient_train/ and of its agent/, and each subpackage."""
-    row = _layout_row()
-    named = set(re.findall(r"`([\w/]+(?:\.py|/))`", row))
+    """The README's layout has a row for resilient_train/ and one for each of its rooms (rank/, agent/,
+    protocol/, base/); each names every module and sub-package of its directory, and only modules that are there."""
+    rows = _layout_rows()
     root = REPO / "resilient_train"
-    missing = [p.name for p in root.glob("*.py") if p.name != "__init__.py" and p.name not in named]
-    missing += [p.name for p in (root / "agent").glob("*.py") if p.name != "__init__.py" and p.name not in named]
-    missing += [f"{p.name}/" for p in root.iterdir() if (p / "__init__.py").exists()
-                and f"{p.name}/" not in named and not any(n.startswith(f"{p.name}/") for n in named)]
-    assert not missing, f"README's layout row does not name: {sorted(missing)}"
-    gone = [n for n in named if n.endswith(".py") and not list(root.rglob(n))]
-    assert not gone, f"README's layout row names modules that do not exist: {gone}"
+    rooms = [p for p in sorted(root.iterdir()) if (p / "__init__.py").exists() and p.name != "integrations"]
+    assert set(rows) == {"resilient_train/", *(f"resilient_train/{p.name}/" for p in rooms)}, sorted(rows)
+    for directory in [root, *rooms]:
+        row = rows[f"{directory.relative_to(REPO)}/"]
+        named = set(re.findall(r"`([\w/]+(?:\.py|/))`", row.split("|")[2]))
+        missing = [p.name for p in directory.glob("*.py") if p.name != "__init__.py" and p.name not in named]
+        missing += [f"{p.name}/" for p in directory.iterdir() if (p / "__init__.py").exists() and p not in rooms
+                    and f"{p.name}/" not in named and not any(n.startswith(f"{p.name}/") for n in named)]
+        assert not missing, f"README's layout row of {directory.name}/ does not name: {sorted(missing)}"
+        gone = [n for n in named if n.endswith(".py") and not list(directory.rglob(n))]
+        assert not gone, f"README's layout row of {directory.name}/ names modules that are not there: {gone}"
 
 
 @pytest.mark.timeout(60)
@@ -271,7 +275,7 @@ def test_the_design_diagram_names_real_things() -> None:
     (diagram,) = [s for s in snippets() if s.file == "docs/design.md" and s.kind == "text"]
     assert "Supervisor(config).run(step_fn, state)" in diagram.text
     assert list(rt.Supervisor.run.__code__.co_varnames[1:3]) == ["step_fn", "state"]
-    from resilient_train.watch import GenerationWatcher  # the "watcher thread"
+    from resilient_train.rank.watch import GenerationWatcher  # the "watcher thread"
 
     assert GenerationWatcher
 

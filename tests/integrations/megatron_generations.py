@@ -64,7 +64,7 @@ def main() -> int:
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from resilient_train.group import build_group, destroy_group
+    from resilient_train.rank.group import build_group, destroy_group
     from resilient_train.integrations.megatron.parallel import MegatronConfig, MegatronParallel
 
     store = _store(a)

@@ -74,8 +74,8 @@ def test_a_group_built_elsewhere_is_refused(tmp_path):
 import sys, torch, torch.distributed as dist, warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, {str(REPO)!r})
-from resilient_train.errors import UsageError
-from resilient_train.group import build_group
+from resilient_train.rank.errors import UsageError
+from resilient_train.rank.group import build_group
 from resilient_train.integrations.megatron.parallel import MegatronConfig, MegatronParallel
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from chaos import dumps_faults, loads_faults
-from resilient_train import exitcodes
+from resilient_train.base import exitcodes
 from resilient_train.integrations.megatron import rerun as mr
-from resilient_train.rerun import Classification, OnGenuine, RerunMode, RerunState
-from resilient_train.rerun.machine import TRANSITIONS
+from resilient_train.rank.rerun import Classification, OnGenuine, RerunMode, RerunState
+from resilient_train.rank.rerun.machine import TRANSITIONS
 
 pytestmark = pytest.mark.timeout(60)
 

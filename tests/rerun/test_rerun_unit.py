@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from resilient_train.rerun import (
+from resilient_train.rank.rerun import (
     Classification, IllegalRerunTransition, OnGenuine, Outcome, RankExcluded, RerunConfig, RerunDriver, RerunHooks,
     RerunMachine, RerunMode, RerunState, StepResult, ValidatorSet, same_result,
 )
-from resilient_train.rerun.policy import peer_for, swap_assignment
+from resilient_train.rank.rerun.policy import peer_for, swap_assignment
 
 
 def _warm(v: ValidatorSet, n: int = 5, loss: float = 2.0, gn: float = 1.0) -> None:
@@ -171,8 +171,8 @@ def test_machine_travels_in_the_rank_local_state():
     """Registered in TrainState.runtime, the machine is in every snapshot, published local state and checkpoint."""
     import torch
 
-    from resilient_train.local_state import decode_local, encode_local
-    from resilient_train.train_state import TrainState
+    from resilient_train.rank.local_state import decode_local, encode_local
+    from resilient_train.rank.train_state import TrainState
 
     w = _World([], [])
     d, _ = _driver(w)

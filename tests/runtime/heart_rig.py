@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 from monitors.events import EventLog
-from resilient_train.context import StepContext
-from resilient_train.local_state import LocalSlots
-from resilient_train.parts import Part, Parts
-from resilient_train.stepping import Stepper
-from resilient_train.train_state import TrainState
+from resilient_train.rank.context import StepContext
+from resilient_train.rank.local_state import LocalSlots
+from resilient_train.rank.parts import Part, Parts
+from resilient_train.rank.stepping import Stepper
+from resilient_train.rank.train_state import TrainState
 
 
 class Trace(Part):

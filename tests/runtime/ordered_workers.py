@@ -17,8 +17,8 @@ def contribution(logical: int, n: int) -> torch.Tensor:
 
 
 def ordered_rank(rank: int, port: int, hosted: list[list[int]], n: int, out) -> None:
-    from resilient_train.chain import ReductionChain
-    from resilient_train.elastic.ordered import OrderedSum
+    from resilient_train.rank.chain import ReductionChain
+    from resilient_train.rank.elastic.ordered import OrderedSum
 
     world = len(hosted)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))

@@ -9,9 +9,9 @@ the file's, and rank 0 says so as a Supervisor given that config would. A config
 import json
 import os
 
-from monitors.configtree import to_plain
+from resilient_train.base.configtree import to_plain
 from resilient_train import CheckpointConfig, PreemptionConfig, SupervisorConfig
-from resilient_train.config import say_unused_run_config
+from resilient_train.rank.config import say_unused_run_config
 
 sup = SupervisorConfig.from_run_config(pg_timeout_s=7.0)
 say_unused_run_config(sup)  # what rt.Supervisor(sup) says

@@ -6,12 +6,12 @@ import signal
 
 import pytest
 
-from resilient_train import exitcodes
+from resilient_train.base import exitcodes
 from resilient_train.agent import AgentState
 from resilient_train.agent import events as ev
 from resilient_train.agent.decide import View, decide
 from resilient_train.agent.state import AgentError, AgentLifecycle, IllegalTransition, allowed_moves
-from resilient_train.restarts import Failure, RestartPolicy
+from resilient_train.agent.restarts import Failure, RestartPolicy
 
 S = AgentState
 MOVES = {

@@ -1,4 +1,4 @@
-"""The store a generation's gloo group is built on (resilient_train.cancelstore), against a real TCPStore and a
+"""The store a generation's gloo group is built on (resilient_train.rank.cancelstore), against a real TCPStore and a
 real gloo build whose peer never comes: the build ends at the wake, not at the group's timeout."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient_train.cancelstore import CancellableStore
-from resilient_train.errors import GenerationFailed
-from resilient_train.group import build_group, destroy_group
+from resilient_train.rank.cancelstore import CancellableStore
+from resilient_train.rank.errors import GenerationFailed
+from resilient_train.rank.group import build_group, destroy_group
 
 LONG_S = 600.0  # the group's own timeout: far past the test's, so only the wake can end the build
 
@@ -67,7 +67,7 @@ def test_build_group_builds_gloo_on_it():
     t = torch.ones(2)
     dist.all_reduce(t, group=group)
     assert t.tolist() == [1.0, 1.0]
-    from resilient_train import cancelstore
+    from resilient_train.rank import cancelstore
 
     assert cancelstore._ALIVE and cancelstore._ALIVE[-1]._cancelled is moved
     destroy_group(torch.device("cpu"))

@@ -96,8 +96,8 @@ def test_a_run_config_variable_left_in_the_shell_is_read_neither_by_help_nor_by_
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["words", "broken-yaml", "gone", "a-directory"])
 def test_every_bad_run_config_variable_is_one_line_naming_it(tmp_path, case):
-    from monitors.runfile import read_run_file
-    from monitors.configtree import RunConfigVariableError
+    from resilient_train.base.runfile import read_run_file
+    from resilient_train.base.configtree import RunConfigVariableError
 
     path = _bad_run_configs(tmp_path)[case]
     with pytest.raises(RunConfigVariableError) as e:

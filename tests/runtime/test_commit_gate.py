@@ -1,4 +1,4 @@
-"""The commit gate (resilient_train/commit.py), in process: the optimizer applies a step only once every rank voted.
+"""The commit gate (resilient_train/rank/commit.py), in process: the optimizer applies a step only once every rank voted.
 
 What the design promises (docs/design.md, "The commit"): the gate, the
 optimizer's step pre-hook, reads the reduced vote; ``world_size`` means every
@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from resilient_train.commit import BufferGuard, CommitGate, MicroStepDone, StepRejected
-from resilient_train.errors import GenerationFailed
-from resilient_train.reducer import GradientReducer, ReducerHooks
+from resilient_train.rank.commit import BufferGuard, CommitGate, MicroStepDone, StepRejected
+from resilient_train.rank.errors import GenerationFailed
+from resilient_train.rank.reducer import GradientReducer, ReducerHooks
 
 pytestmark = pytest.mark.timeout(60)
 

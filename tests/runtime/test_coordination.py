@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_train.store import Keys
+from resilient_train.protocol.store import Keys
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "coordination.py"
 
@@ -52,7 +52,7 @@ def test_64_ranks_agree_through_two_generation_changes() -> None:
 def test_a_failed_generation_settles_its_join_for_everyone() -> None:
     import torch.distributed as dist
 
-    from resilient_train.store import current_generation, report_fault
+    from resilient_train.protocol.store import current_generation, report_fault
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert current_generation(store) == 0
@@ -69,7 +69,7 @@ def test_a_failed_generation_settles_its_join_for_everyone() -> None:
 def _store():
     import torch.distributed as dist
 
-    from resilient_train.store import job_store
+    from resilient_train.protocol.store import job_store
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False)
     return server, lambda: job_store(dist.TCPStore("127.0.0.1", server.port, is_master=False), "t")
@@ -81,7 +81,7 @@ class _Stopped(Exception):
 
 def _raise_if_stopped(store):
     """The ``stopped`` callback a join takes: raises once the job's stop is in ``store``."""
-    from resilient_train.store import read_stop
+    from resilient_train.protocol.store import read_stop
 
     def stopped() -> None:
         if read_stop(store) is not None:
@@ -92,7 +92,7 @@ def _raise_if_stopped(store):
 def _member(rank: int, live: int | None):
     import os
 
-    from resilient_train.generation import Membership
+    from resilient_train.rank.generation import Membership
 
     return Membership(rank=rank, pid=os.getpid(), live_step=live, snapshot_step=None,
                       local_steps=[] if live is None else [live], replacement=False)
@@ -102,8 +102,8 @@ def _member(rank: int, live: int | None):
 def test_a_woken_rank_joins_the_next_generation_without_asking() -> None:
     import threading
 
-    from resilient_train import rendezvous
-    from resilient_train.watch import GenerationWatcher
+    from resilient_train.rank import rendezvous
+    from resilient_train.rank.watch import GenerationWatcher
 
     _server, connect = _store()
     agent = connect()
@@ -144,9 +144,9 @@ def test_a_woken_rank_joins_the_next_generation_without_asking() -> None:
 def test_a_stopped_job_wakes_its_ranks_into_a_join_that_tells_them_so() -> None:
     """A watcher only waits for its wake key: every wake sends the rank to the next generation. A stop fails
     that join before it wakes anyone, so the rank, having asked nothing, learns of the stop there."""
-    from resilient_train import rendezvous
-    from resilient_train.store import interrupt_for_stop, request_stop
-    from resilient_train.watch import GenerationWatcher
+    from resilient_train.rank import rendezvous
+    from resilient_train.protocol.store import interrupt_for_stop, request_stop
+    from resilient_train.rank.watch import GenerationWatcher
 
     _server, connect = _store()
     store = connect()
@@ -171,8 +171,8 @@ def test_a_stopped_job_wakes_its_ranks_into_a_join_that_tells_them_so() -> None:
 def test_a_stop_that_read_the_generation_before_a_fault_moved_it_still_ends_the_next_join() -> None:
     """The stopper interrupts generation 0; a fault then moves the run to 1. Ranks woken by the fault join 1
     without looking: the fault's reporter sees the stop and fails 1, so the join ends at once, as stopped."""
-    from resilient_train import rendezvous
-    from resilient_train.store import interrupt_generation, request_stop
+    from resilient_train.rank import rendezvous
+    from resilient_train.protocol.store import interrupt_generation, request_stop
 
     _server, connect = _store()
     store = connect()
@@ -189,8 +189,8 @@ def test_a_stop_that_read_the_generation_before_a_fault_moved_it_still_ends_the_
 def test_a_generation_that_fails_while_it_assembles_ends_the_planners_wait() -> None:
     import threading
 
-    from resilient_train import rendezvous
-    from resilient_train.generation import PLANNER
+    from resilient_train.rank import rendezvous
+    from resilient_train.rank.generation import PLANNER
 
     _server, connect = _store()
     agent = connect()
@@ -216,7 +216,7 @@ def test_a_generation_that_fails_while_it_assembles_ends_the_planners_wait() -> 
 def _interruptible_join(connect, *, rank: int, world: int, requested, interrupt, stopped=lambda: None):
     """A rank's join as the supervisor makes it: on its own connection, waited on in slices. Its timeout (600 s)
     is past every test's: a join that only ended by its deadline fails the test by pytest's timeout."""
-    from resilient_train import rendezvous
+    from resilient_train.rank import rendezvous
 
     return rendezvous.join_interruptibly(
         lambda: rendezvous.enter_generation(connect(), world_size=world, me=lambda: _member(rank, 4), timeout=600,
@@ -234,8 +234,8 @@ def test_a_preemption_signal_ends_a_join_that_no_peer_will_finish(monkeypatch) -
     import threading
     import time
 
-    from resilient_train import preempt
-    from resilient_train.store import interrupt_for_stop, request_stop
+    from resilient_train.rank import preempt
+    from resilient_train.protocol.store import interrupt_for_stop, request_stop
 
     monkeypatch.setattr(preempt, "JOIN_WAIT_S", 0.2)
     _server, connect = _store()
@@ -267,7 +267,7 @@ def test_a_join_counts_its_preemption_wait_from_the_later_of_the_signal_and_its_
     """A signal that came during a long step (long before the join) still gives the join its JOIN_WAIT_S."""
     import time
 
-    from resilient_train import preempt
+    from resilient_train.rank import preempt
 
     p = preempt.Preemption(preempt.PreemptionConfig(signals=()))
     now = time.monotonic()
@@ -289,7 +289,7 @@ def test_a_preemption_signal_leaves_a_join_that_completes_to_its_plan(monkeypatc
     import threading
     import time
 
-    from resilient_train import preempt
+    from resilient_train.rank import preempt
 
     monkeypatch.setattr(preempt, "JOIN_WAIT_S", 600.0)
     _server, connect = _store()

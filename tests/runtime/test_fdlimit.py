@@ -1,7 +1,7 @@
 """The store host raises its open-file limit; its workers and spares keep the one it was started with.
 
 A rank holds up to four connections to node 0's store, all served by the agent's process: at 4,096 ranks,
-past the usual soft limit of 1,024 (resilient_train.fdlimit). Real processes: the agent of a GPT job, its
+past the usual soft limit of 1,024 (resilient_train.agent.fdlimit). Real processes: the agent of a GPT job, its
 ranks and its warm spare, their limits read from /proc.
 """
 

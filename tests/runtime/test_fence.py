@@ -13,14 +13,14 @@ import pytest
 import torch.distributed as dist
 
 from jobs import REPO
-from resilient_train import exitcodes
-from resilient_train.nodes import NodeKeys
+from resilient_train.base import exitcodes
+from resilient_train.protocol.nodes import NodeKeys
 
 RANK = """
 import sys
 from datetime import timedelta
 import torch.distributed as dist
-from resilient_train.fence import check_fence
+from resilient_train.rank.fence import check_fence
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
 check_fence(store, "join")
 print("took part", flush=True)
@@ -64,7 +64,7 @@ CUT_OFF = """
 import sys
 from datetime import timedelta
 import torch.distributed as dist
-from resilient_train.fence import leave_if_cut_off
+from resilient_train.rank.fence import leave_if_cut_off
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
 print("connected", flush=True)
 sys.stdin.readline()  # the store's host is gone now

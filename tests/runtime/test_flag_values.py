@@ -196,7 +196,7 @@ _BY_TYPE = {
 
 
 def _bad_field_values(key: str, tp: object) -> tuple[str, ...]:
-    from monitors.configtree import type_name
+    from resilient_train.base.configtree import type_name
 
     name = type_name(tp).removesuffix(" | null")
     if name.startswith("one of: ") and not name.startswith("one of: 0"):
@@ -386,7 +386,7 @@ def test_real_commands_say_it_in_one_line_and_exit_2(paths: dict[str, str]) -> N
 
 @pytest.mark.timeout(30)
 def test_a_job_token_file_must_be_private(paths: dict[str, str]) -> None:
-    from resilient_train.jobtoken import read_token_file
+    from resilient_train.protocol.jobtoken import read_token_file
 
     token = Path(paths["TMP"]) / "token"
     token.write_text("0123456789abcdef0123456789abcdef\n")

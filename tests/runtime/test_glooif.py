@@ -13,7 +13,7 @@ from monitors import EventLog
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.glooif import gloo_interface, interface_of, source_address
 from resilient_train.agent.workers import Workers
-from resilient_train.workerio import Console
+from resilient_train.agent.workerio import Console
 
 
 def _has_ipv6_loopback() -> bool:

@@ -1,4 +1,4 @@
-"""Healing's order and ``restore_live`` (resilient_train/heal.py), in process.
+"""Healing's order and ``restore_live`` (resilient_train/rank/heal.py), in process.
 
 What the design promises (docs/design.md, "Healing", "The plan"): every rank
 runs the plan's transfers in one order, by target, so a rank that both serves
@@ -20,10 +20,10 @@ import torch
 from heart_rig import Rig
 
 from monitors.events import read_events
-from resilient_train.generation import ResumePlan, ResumeSource
-from resilient_train.heal import heal_order, restore_live
-from resilient_train.local_state import decode_local
-from resilient_train.snapshot import HostSnapshot
+from resilient_train.rank.generation import ResumePlan, ResumeSource
+from resilient_train.rank.heal import heal_order, restore_live
+from resilient_train.rank.local_state import decode_local
+from resilient_train.rank.snapshot import HostSnapshot
 
 pytestmark = pytest.mark.timeout(60)
 

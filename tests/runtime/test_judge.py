@@ -1,4 +1,4 @@
-"""The judge (resilient_train/judge.py), in process: which failures are recovered, which stop the job, and how.
+"""The judge (resilient_train/rank/judge.py), in process: which failures are recovered, which stop the job, and how.
 
 What the design promises (docs/design.md, "A healthy job is never killed"; the
 module's docstring): a collective or store error is a fault however often it
@@ -17,10 +17,10 @@ import errno
 import pytest
 
 from checkpointing.errors import UnwritableError
-from resilient_train import exitcodes
-from resilient_train.errors import Failure, FailureKind, GenerationFailed, UsageError, WrongInput
-from resilient_train.generation import JoinError
-from resilient_train.judge import Judge, Stop
+from resilient_train.base import exitcodes
+from resilient_train.rank.errors import Failure, FailureKind, GenerationFailed, UsageError, WrongInput
+from resilient_train.rank.generation import JoinError
+from resilient_train.rank.judge import Judge, Stop
 
 pytestmark = pytest.mark.timeout(30)
 

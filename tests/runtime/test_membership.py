@@ -13,12 +13,12 @@ from jobs import GPT
 from monitors import EventLog
 from resilient_train.agent.config import AgentConfig
 from resilient_train.agent.membership import Membership, fence_wait_s
-from resilient_train.succession.location import call_timeout_s
+from resilient_train.protocol.succession.location import call_timeout_s
 from resilient_train.agent.succession import AgentSuccession
-from resilient_train.nodes import NodeKeys, register_node
-from resilient_train.succession.location import Endpoint
-from resilient_train.succession.protocol import Keys as SuccessionKeys
-from resilient_train.succession.protocol import register
+from resilient_train.protocol.nodes import NodeKeys, register_node
+from resilient_train.protocol.succession.location import Endpoint
+from resilient_train.protocol.succession.rules import Keys as SuccessionKeys
+from resilient_train.protocol.succession.rules import register
 
 
 @pytest.mark.timeout(60)

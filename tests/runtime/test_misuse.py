@@ -23,10 +23,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from jobs import ckpt_diff, console_lines, run_script
 
-from resilient_train.buckets import BucketPlan
-from resilient_train.ddp import PlannedDDP, ReplicatedModule, fix_buckets
-from resilient_train.errors import UsageError
-from resilient_train.reducer import GradientReducer, ReducerHooks
+from resilient_train.rank.buckets import BucketPlan
+from resilient_train.rank.ddp import PlannedDDP, ReplicatedModule, fix_buckets
+from resilient_train.rank.errors import UsageError
+from resilient_train.rank.reducer import GradientReducer, ReducerHooks
 
 SCRIPT = Path(__file__).resolve().parent / "misuse_script.py"
 STOPPED = 93

@@ -249,7 +249,7 @@ def test_a_stopped_agents_node_is_fenced_before_the_spare_replaces_it_and_every_
 @pytest.mark.timeout(200)
 def test_a_stopped_node_0_ends_the_other_agents_by_their_store_deadline(cluster_factory):
     """Node 0's agent, which hosts the store, is SIGSTOPped: its connections stay open and silent, so c10d's
-    client calls would block for ever. Node 1's agent ends by its calls' deadline (resilient_train.succession.
+    client calls would block for ever. Node 1's agent ends by its calls' deadline (resilient_train.protocol.succession.
     movable: 5 s here); alone it is no majority of the two agents and node 0's port does not refuse (its host
     may live on), so it kills its ranks and exits 94 (fenced: it cannot know whether it was declared lost)
     with one line."""
@@ -268,7 +268,7 @@ def test_a_stopped_node_0_ends_the_other_agents_by_their_store_deadline(cluster_
 
 
 SLOW = "RESILIENT_TRAIN_CKPT_SLOW_WRITE"  # checkpointing.testhooks: the writer sleeps before a step's save
-GRACE_S = 60  # the ranks' default preemption grace (resilient_train.shutdown.DEFAULT_GRACE_S)
+GRACE_S = 60  # the ranks' default preemption grace (resilient_train.protocol.shutdown.DEFAULT_GRACE_S)
 
 
 @pytest.mark.timeout(600)
@@ -320,7 +320,7 @@ def test_sigterm_to_each_agent_in_turn_ends_every_node_in_75_on_time_and_the_run
 
 @pytest.mark.timeout(30)
 def test_slurm_environment_fills_the_node_flags():
-    from resilient_train.slurmenv import first_host, slurm_defaults
+    from resilient_train.agent.slurmenv import first_host, slurm_defaults
 
     env = {"SLURM_JOB_ID": "4711", "SLURM_NODEID": "2", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "gpu[07-10],cpu1"}
     assert slurm_defaults(env) == {"node_rank": 2, "run_id": "slurm-4711", "nnodes": 4, "master_addr": "gpu07",
@@ -335,7 +335,7 @@ def test_under_srun_a_spare_takes_no_node_rank_and_a_requeued_job_says_which_sta
     import argparse
 
     from resilient_train.launch import add_run_arguments, agent_fields
-    from resilient_train.slurmenv import slurm_defaults, slurm_job
+    from resilient_train.agent.slurmenv import slurm_defaults, slurm_job
 
     env = {"SLURM_JOB_ID": "4711", "SLURM_NODEID": "2", "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "localhost,n2,n3"}
     assert slurm_defaults(env, spare=True) == {"run_id": "slurm-4711", "nnodes": 3, "master_addr": "localhost",

@@ -1,4 +1,4 @@
-"""The layout-independent reduction (resilient_train.elastic.ordered): W logical contributions averaged in
+"""The layout-independent reduction (resilient_train.rank.elastic.ordered): W logical contributions averaged in
 logical order give the same bits on any number of processes and any assignment; a plain all-reduce does not.
 Real gloo groups, one process per group rank."""
 
@@ -10,8 +10,8 @@ import torch
 from jobs import free_port
 from ordered_workers import contribution, ordered_run
 
-from resilient_train.elastic.ordered import OrderedSum
-from resilient_train.elastic.width import Width, assign
+from resilient_train.rank.elastic.ordered import OrderedSum
+from resilient_train.rank.elastic.width import Width, assign
 
 N = 10007  # not a multiple of any group size: the chunks differ by one element
 

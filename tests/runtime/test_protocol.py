@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient_train.errors import FailureKind, GenerationFailed, UsageError, classify
-from resilient_train.generation import Membership, ResumeSource, plan_resume
-from resilient_train.lifecycle import IllegalTransition, Lifecycle, SupervisorState
-from resilient_train.snapshot import HostSnapshot
+from resilient_train.rank.errors import FailureKind, GenerationFailed, UsageError, classify
+from resilient_train.rank.generation import Membership, ResumeSource, plan_resume
+from resilient_train.rank.lifecycle import IllegalTransition, Lifecycle, SupervisorState
+from resilient_train.rank.snapshot import HostSnapshot
 
 
 def _m(rank, live=None, local=(), snap=None, replacement=False, fresh=False):
@@ -114,8 +114,8 @@ def test_lifecycle_rejects_illegal_moves():
 @pytest.mark.timeout(10)
 def test_exit_codes_agree_with_the_packages_that_define_them():
     from checkpointing import EXIT_DISK_FULL
-    from resilient_train import exitcodes
-    from resilient_train.rerun import EXIT_RERUN_ELSEWHERE, EXIT_VALIDATION_FAILED
+    from resilient_train.base import exitcodes
+    from resilient_train.rank.rerun import EXIT_RERUN_ELSEWHERE, EXIT_VALIDATION_FAILED
 
     assert exitcodes.DISK_FULL == EXIT_DISK_FULL
     assert (exitcodes.RERUN_ELSEWHERE, exitcodes.VALIDATION_FAILED) == (EXIT_RERUN_ELSEWHERE, EXIT_VALIDATION_FAILED)

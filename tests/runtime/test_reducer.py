@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from train_gpt import GPT, GPTConfig, batch  # noqa: E402
 
-from resilient_train.ddp import PlannedDDP, fix_buckets  # noqa: E402
-from resilient_train.buckets import BucketPlan  # noqa: E402
-from resilient_train.reducer import GradientReducer, ReducerHooks  # noqa: E402
+from resilient_train.rank.ddp import PlannedDDP, fix_buckets  # noqa: E402
+from resilient_train.rank.buckets import BucketPlan  # noqa: E402
+from resilient_train.rank.reducer import GradientReducer, ReducerHooks  # noqa: E402
 
 CFG = GPTConfig(d_model=32, layers=2, heads=2, seq_len=8, dropout=0.0)
 BUCKET_MB = 0.02  # several buckets for a tiny model

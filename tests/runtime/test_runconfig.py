@@ -18,13 +18,13 @@ import yaml
 
 import resilient_train as rt
 from jobs import REPO
-from monitors import configtree
-from monitors.cliargs import OneLineParser
+from resilient_train.base import configtree
+from resilient_train.base.cliargs import OneLineParser
 from oneline import assert_one_line_exit_2, cli
 from resilient_train.launch import add_run_arguments
 from resilient_train.runconfig import SECTIONS, RunConfig
 from resilient_train.runflags import run_config
-from resilient_train.workerio import Std
+from resilient_train.agent.workerio import Std
 
 PRINT_CONFIG = Path(__file__).resolve().parent / "print_config_script.py"
 
@@ -240,7 +240,7 @@ def test_a_config_is_what_its_constructor_was_given_and_from_run_config_takes_th
     assert rt.SupervisorConfig.from_run_config(checkpoint=own).checkpoint is own  # whole: no keep_last from the file
     assert rt.SupervisorConfig.from_run_config(path) == rt.SupervisorConfig.from_run_config()
     # What a script's own config leaves out of the run config is said (by the Supervisor, on rank 0).
-    from resilient_train.config import unused_run_config
+    from resilient_train.rank.config import unused_run_config
 
     run = rt.SupervisorConfig.from_run_config()
     assert unused_run_config(run, run) == []

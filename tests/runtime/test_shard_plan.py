@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 from checkpointing import write_state
-from resilient_train.buddy import BUDGET, Interval
-from resilient_train.errors import UsageError
-from resilient_train.generation import Membership, ResumeSource, plan_resume
-from resilient_train.mesh import MeshSpec
-from resilient_train.shard_state import checksum
+from resilient_train.rank.buddy import BUDGET, Interval
+from resilient_train.rank.errors import UsageError
+from resilient_train.rank.generation import Membership, ResumeSource, plan_resume
+from resilient_train.rank.mesh import MeshSpec
+from resilient_train.rank.shard_state import checksum
 
 
 def _m(rank, live=None, local=(), *, cls=None, own=(), buddy=None, replacement=False):

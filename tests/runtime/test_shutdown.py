@@ -13,9 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from jobs import GPT, REPO, cli
-from resilient_train import exitcodes
-from resilient_train.preempt import PreemptionConfig
-from resilient_train.shutdown import DEFAULT_GRACE_S, Shutdown, auto_grace, publish_grace, record_preempted
+from resilient_train.base import exitcodes
+from resilient_train.rank.preempt import PreemptionConfig
+from resilient_train.protocol.shutdown import DEFAULT_GRACE_S, Shutdown, auto_grace, publish_grace, record_preempted
 
 BAD = ["inf", "-inf", "nan", "-1", "1e308"]
 
@@ -96,7 +96,7 @@ def test_the_verdict_comes_from_what_the_ranks_recorded():
     # The signal came after the last step: the job is done.
     assert sd.verdict(store, {0: 0, 1: 0}).exit_code == 0
     # A rank stopped the job meanwhile (its preemption's save found the disk full): its code, not a requeue.
-    from resilient_train.store import request_stop
+    from resilient_train.protocol.store import request_stop
 
     request_stop(store, {"rank": 1, "summary": "the disk is full", "exit_code": exitcodes.DISK_FULL})
     v = sd.verdict(store, {0: 28, 1: 28})
@@ -156,7 +156,7 @@ frame #1: a line of the user's, not a C++ frame
 
 @pytest.mark.timeout(60)
 def test_a_ranks_c10d_dumps_fold_to_one_line():
-    from resilient_train.nativelog import NativeLogFolder
+    from resilient_train.agent.nativelog import NativeLogFolder
 
     folder = NativeLogFolder()
     shown = []
@@ -171,7 +171,7 @@ _LOSE_STORE = textwrap.dedent("""
     import subprocess, sys
     from datetime import timedelta
     import torch.distributed as dist
-    from resilient_train.nativelog import FoldedStderr
+    from resilient_train.agent.nativelog import FoldedStderr
 
     host = subprocess.Popen([sys.executable, "-c", sys.argv[2]], stdout=subprocess.PIPE, text=True)
     port = int(host.stdout.readline())

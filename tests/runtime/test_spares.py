@@ -138,8 +138,8 @@ def test_a_spare_runs_a_script_or_module_as_python_does(tmp_path, monkeypatch, k
 
     The script is handed to a ready spare; the module to one still importing torch (a replacement may take
     a spare that is not warm yet: the handover waits in its socket)."""
-    from resilient_train.entry import Entry, EntryKind
-    from resilient_train.spares import Spare, SpareState, spare_env
+    from resilient_train.agent.entry import Entry, EntryKind
+    from resilient_train.agent.spares import Spare, SpareState, spare_env
 
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")

@@ -1,4 +1,4 @@
-"""The stepper (resilient_train/stepping.py), in process: one step's phases, its vote and the boundary it publishes.
+"""The stepper (resilient_train/rank/stepping.py), in process: one step's phases, its vote and the boundary it publishes.
 
 What the design promises (docs/design.md, "The commit", "What a fault
 leaves"): per step, the parts see the phases in order (data, forward,
@@ -19,9 +19,9 @@ import torch
 from heart_rig import Rig
 
 from monitors.events import read_events
-from resilient_train.context import StepContext
-from resilient_train.errors import GenerationFailed
-from resilient_train.local_state import decode_local
+from resilient_train.rank.context import StepContext
+from resilient_train.rank.errors import GenerationFailed
+from resilient_train.rank.local_state import decode_local
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 
 Nodes on this machine (one agent per node on 127.0.0.1, each in its own session: tests/runtime/elastic_job.py).
 Node 0's agent hosts the store; when it is lost, the others move to the first successor alive, which opens a
-store of its own with a majority of the last generation's agents (resilient_train.succession). Every test that
+store of its own with a majority of the last generation's agents (resilient_train.protocol.succession). Every test that
 goes on ends bitwise equal to a fault-free run (``ckpt diff``). Partitions with real addresses are in
 tests/cluster/test_netns_succession.py.
 """

@@ -94,7 +94,7 @@ def test_a_replacement_killed_while_the_group_is_built_does_not_livelock(tmp_pat
     done = job.of("recovery_done")
     assert done and max(e["generation"] for e in done) <= 4, [e["generation"] for e in done]
     # The survivors may be building the group the replacement was killed before joining, waiting for its
-    # address: the wake ends that wait (resilient_train.cancelstore), never the group's 30 s store timeout.
+    # address: the wake ends that wait (resilient_train.rank.cancelstore), never the group's 30 s store timeout.
     (killed_at,) = [e["time"] for e in job.of("fault_injected") if e["phase"] == "rendezvous"]
     later = [e for e in job.of("fault_detected") if e["rank"] in (0, 2) and e["time"] >= killed_at]
     assert not any("wait timeout" in e.get("error", "") for e in later), later  # tests/runtime/test_cancelstore.py

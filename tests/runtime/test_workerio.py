@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_train.workerio import Console, OutputConfig, Std, WorkerOutput
+from resilient_train.agent.workerio import Console, OutputConfig, Std, WorkerOutput
 
 # A collective fails because a peer was interrupted, then this rank's own Ctrl-C arrives while it handles that.
 CHAINED = textwrap.dedent("""
@@ -208,7 +208,7 @@ ENDLESS = textwrap.dedent("""
 def test_a_200_mb_line_passes_through_in_pieces_and_is_never_held_whole(tmp_path):
     import tracemalloc
 
-    from resilient_train.outcut import LINE_BOUND
+    from resilient_train.agent.outcut import LINE_BOUND
 
     out_stream, err_stream = _Counter(), _Counter()
     console = Console(out=io.BufferedWriter(out_stream), err=io.BufferedWriter(err_stream))

@@ -1,4 +1,4 @@
-"""A store that moves (resilient_train.succession.movable): real TCPStores, a real stopped host, real gloo groups."""
+"""A store that moves (resilient_train.protocol.succession.movable): real TCPStores, a real stopped host, real gloo groups."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient_train.succession.location import Endpoint, StoreLocation, StoreLost, announce, announced
-from resilient_train.succession.movable import MovableStore
-from resilient_train.succession.protocol import majority
+from resilient_train.protocol.succession.location import Endpoint, StoreLocation, StoreLost, announce, announced
+from resilient_train.protocol.succession.movable import MovableStore
+from resilient_train.protocol.succession.rules import majority
 
 pytestmark = pytest.mark.timeout(60)
 

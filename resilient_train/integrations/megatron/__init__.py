@@ -17,7 +17,7 @@ from resilient_train.integrations.megatron.layout import Coords, HealAssignment,
 
 if TYPE_CHECKING:
     from resilient_train.integrations.megatron.parallel import MegatronConfig, MegatronParallel
-    from resilient_train.supervisor import Supervisor
+    from resilient_train.rank.supervisor import Supervisor
 
 __all__ = ["Coords", "HealAssignment", "MegatronConfig", "MegatronParallel", "ParallelLayout", "attach"]
 
@@ -28,7 +28,7 @@ def attach(sup: "Supervisor", config: "MegatronConfig | None" = None) -> "Megatr
     Build the model with ``pg_collection=returned.groups`` and pass it to
     ``returned.track(model)``. Call before ``sup.run``.
     """
-    from resilient_train.errors import UsageError
+    from resilient_train.rank.errors import UsageError
     from resilient_train.integrations.megatron.parallel import MegatronConfig, MegatronParallel
     from resilient_train.integrations.megatron.part import MegatronPart
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from checkpointing.tree import children
-from resilient_train.errors import UsageError
-from resilient_train.group import abort_nccl
+from resilient_train.rank.errors import UsageError
+from resilient_train.rank.group import abort_nccl
 from resilient_train.integrations.megatron.groups import (
     Census, GroupCensus, LayoutGroup, group_values, is_group, reset_module_state, snapshot_module_state,
 )

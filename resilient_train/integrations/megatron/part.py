@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_train.integrations.megatron.parallel import MegatronParallel
-from resilient_train.parts import Part
+from resilient_train.rank.parts import Part
 
 __all__ = ["MegatronPart"]
 

@@ -24,8 +24,8 @@ import random
 from enum import Enum
 
 from chaos import Fault
-from resilient_train import exitcodes
-from resilient_train.rerun import Classification, OnGenuine, RerunConfig, RerunMode, RerunState
+from resilient_train.base import exitcodes
+from resilient_train.rank.rerun import Classification, OnGenuine, RerunConfig, RerunMode, RerunState
 
 __all__ = [
     "MEGATRON_EXIT_CODES", "MegatronDiagnostic", "MegatronRerunState", "classification_of", "diagnostic_of",
