@@ -39,7 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from resilient_train.rank import rendezvous
-from resilient_train.rank.generation import Membership, ResumePlan
+from resilient_train.rank.generation import RankMembership, ResumePlan
 from resilient_train.rank.local_state import LocalSlots, encode_local
 from resilient_train.protocol.store import attempt_store, job_store
 from resilient_train.rank.train_state import capture_rng
@@ -167,8 +167,8 @@ class SimRank:
         self.seen_at = time.monotonic()
 
     def join(self, phase: str) -> ResumePlan:
-        def me() -> Membership:
-            return Membership(rank=self.rank, pid=os.getpid(), live_step=self.live, snapshot_step=None,
+        def me() -> RankMembership:
+            return RankMembership(rank=self.rank, pid=os.getpid(), live_step=self.live, snapshot_step=None,
                               local_steps=self.slots.steps(self.rank), replacement=self.replacement,
                               fresh=self.fresh, new_process=self.new_process)
 

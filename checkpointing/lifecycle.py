@@ -17,11 +17,9 @@ from __future__ import annotations
 import threading
 from enum import Enum
 
-__all__ = ["IllegalTransition", "ManagerState", "SavePhase", "SaveHandle"]
+from resilient_train.base.transitions import IllegalTransition
 
-
-class IllegalTransition(RuntimeError):
-    pass
+__all__ = ["ManagerState", "SavePhase", "SaveHandle"]
 
 
 class SavePhase(str, Enum):

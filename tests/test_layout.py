@@ -50,9 +50,8 @@ LAYERS: dict[str, set[str]] = {  # what each layer may import besides itself; "t
 # item 2 (the step path runs one way) emptied both: no cycle context -> stepping -> supervisor, supervisor.py split.
 KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_LONG: set[str] = {"checkpointing.manager", "monitors.hang", "monitors.progress"}
-KNOWN_TWINS: set[str] = {"Census", "Failure", "Fence", "IllegalTransition", "Keys", "Membership", "Recovery",
-                         "StoreLost", "Verdict"}
-KNOWN_WRONG_WAY: set[tuple[str, str]] = {("resilient_train.agent.state", "resilient_train.rank.lifecycle")}
+KNOWN_TWINS: set[str] = set()
+KNOWN_WRONG_WAY: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

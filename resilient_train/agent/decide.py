@@ -38,15 +38,15 @@ from typing import Mapping
 
 from resilient_train.base import exitcodes
 from resilient_train.agent.events import (
-    AllSucceeded, ClaimNode, Decision, EnableSpares, End, Event, Fail, Fence, Fenced, Ignore, JobEnded, Kill,
+    AllSucceeded, ClaimNode, Decision, EnableSpares, End, Event, Fail, FenceNode, Fenced, Ignore, JobEnded, Kill,
     KillDumped, Leave, MoveStore, NoMajority,
     MarkSucceeded, MonitorStateDue, MonitorStateOffered, NodeAssigned, NodeLost, PeerStopping, RankHung, Replace,
-    RestartAll, RunDirFailed, SaveMonitorState, ShutDown, Signalled, SpareDue, StacksDue, StartSpare, StopJob, StoreLost,
+    RestartAll, RunDirFailed, SaveMonitorState, ShutDown, Signalled, SpareDue, StacksDue, StartSpare, StopJob, StoreUnreachable,
     SupervisedSeen, TakeNode, TakeOffer, WorkerExited,
 )
 from resilient_train.agent.state import AgentState
 from resilient_train.agent.restarts import Decision as Restart
-from resilient_train.agent.restarts import Failure, RestartPolicy
+from resilient_train.agent.restarts import WorkerFailure, RestartPolicy
 
 __all__ = ["View", "blame", "decide"]
 
@@ -98,13 +98,13 @@ def decide(view: View, event: Event) -> Decision:
         return EnableSpares()
     if isinstance(event, SpareDue):
         return StartSpare()
-    if isinstance(event, StoreLost):
+    if isinstance(event, StoreUnreachable):
         return _store_lost(view, event)
     if isinstance(event, NoMajority):
         return _no_majority(view, event)
     if isinstance(event, Fenced):
         # Declared lost after its ranks had finished (it was stopped at the end): it did its part.
-        return Leave(exit_code=exitcodes.OK) if view.finished else Fence(how=event.how, line=event.line)
+        return Leave(exit_code=exitcodes.OK) if view.finished else FenceNode(how=event.how, line=event.line)
     if isinstance(event, NodeAssigned):
         return TakeNode(node=event.node)
     if isinstance(event, JobEnded):
@@ -135,7 +135,7 @@ def _worker_exited(view: View, e: WorkerExited) -> Decision:
         return MarkSucceeded(rank=e.rank)
     if e.rc == exitcodes.FENCED:
         # It saw its node declared lost (resilient_train.rank.fence): so was this agent, stopped meanwhile.
-        return Fence(how=f"rank {e.rank} found its node declared lost and left")
+        return FenceNode(how=f"rank {e.rank} found its node declared lost and left")
     if e.rc == exitcodes.STOPPED or e.stop is not None:
         # A rank stopped the job (a bug that reproduced, a misuse, a full disk): nothing to replace.
         stop = e.stop or {"summary": f"rank {e.rank} exited with code {e.rc}"}
@@ -176,7 +176,7 @@ def _worker_exited(view: View, e: WorkerExited) -> Decision:
     return RestartAll(failure=failure, followed=e.followed, blame=said)
 
 
-def blame(failure: Failure, followed: tuple[Failure, ...]) -> str:
+def blame(failure: WorkerFailure, followed: tuple[WorkerFailure, ...]) -> str:
     """Who is to blame, in one line: the first to exit, and those that followed it."""
     hung = [o.rank for o in followed if o.kind == "hang"]
     if failure.kind == "hang" and hung:
@@ -187,7 +187,7 @@ def blame(failure: Failure, followed: tuple[Failure, ...]) -> str:
     return failure.describe() + (f"; {', '.join(others)} followed" if others else "")
 
 
-def _store_lost(view: View, e: StoreLost) -> Decision:
+def _store_lost(view: View, e: StoreUnreachable) -> Decision:
     if e.finished:
         # The job's end came before the store went (node 0's agent closed it once done): nothing was lost.
         return End(exit_code=exitcodes.OK, reason="finished", line=None)
@@ -208,7 +208,7 @@ def _store_lost(view: View, e: StoreLost) -> Decision:
     if view.state is AgentState.WAITING_FOR_NODE:
         return End(exit_code=exitcodes.FENCED, reason="fenced", line=line)
     if view.state in (AgentState.STARTING, AgentState.RUNNING):
-        return Fence(how=how, line=line)
+        return FenceNode(how=how, line=line)
     return Fail(message=line, exit_code=exitcodes.FENCED)  # its end was under way: nothing left to kill first
 
 
@@ -224,5 +224,5 @@ def _no_majority(view: View, e: NoMajority) -> Decision:
     if view.state is AgentState.WAITING_FOR_NODE:
         return End(exit_code=exitcodes.FENCED, reason="fenced", line=line)
     if view.state in (AgentState.STARTING, AgentState.RUNNING):
-        return Fence(how=f"lost the store on {view.store_address}", line=line)
+        return FenceNode(how=f"lost the store on {view.store_address}", line=line)
     return Fail(message=line, exit_code=exitcodes.FENCED)

@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from resilient_train.agent.restarts import Failure
+from resilient_train.agent.restarts import WorkerFailure
 
 __all__ = [
-    "AllSucceeded", "ClaimNode", "Decision", "EnableSpares", "End", "Event", "Fail", "Fence", "Fenced", "Ignore",
+    "AllSucceeded", "ClaimNode", "Decision", "EnableSpares", "End", "Event", "Fail", "FenceNode", "Fenced", "Ignore",
     "JobEnded", "MoveStore", "NoMajority",
     "Kill", "KillDumped", "Leave", "MarkSucceeded", "MonitorStateDue", "MonitorStateOffered", "NodeAssigned",
     "NodeLost", "PeerStopping", "RankHung", "Replace", "RestartAll", "RunDirFailed", "SaveMonitorState", "ShutDown", "Signalled",
-    "SpareDue", "StacksDue", "StartSpare", "StopJob", "StoreLost", "SupervisedSeen", "TakeNode", "TakeOffer",
+    "SpareDue", "StacksDue", "StartSpare", "StopJob", "StoreUnreachable", "SupervisedSeen", "TakeNode", "TakeOffer",
     "WorkerExited",
 ]
 
@@ -35,8 +35,8 @@ class WorkerExited:
     rank: int
     pid: int
     rc: int
-    failure: Failure | None = None  # how it failed (rc != 0)
-    followed: tuple[Failure, ...] = ()  # the others of the same look that exited after it (for the blame)
+    failure: WorkerFailure | None = None  # how it failed (rc != 0)
+    followed: tuple[WorkerFailure, ...] = ()  # the others of the same look that exited after it (for the blame)
     supervised: bool = False  # its rank registered with the Supervisor: replaced in place
     final: bool = False  # the run's final state was committed when it was seen
     early: bool = False  # a Supervisor rank that exited 0 before the final state was committed
@@ -98,7 +98,7 @@ class SpareDue:
 
 
 @dataclass(**_E)
-class StoreLost:
+class StoreUnreachable:
     """A store call failed or ran past its deadline (node 0's agent, which hosts it, is gone or stopped, or this
     node is cut off from it)."""
 
@@ -157,7 +157,7 @@ class RunDirFailed:
 
 
 Event = Union[WorkerExited, RankHung, StacksDue, NodeLost, Signalled, PeerStopping, AllSucceeded, SupervisedSeen,
-              SpareDue, StoreLost, NoMajority, Fenced, NodeAssigned, JobEnded, MonitorStateDue, MonitorStateOffered,
+              SpareDue, StoreUnreachable, NoMajority, Fenced, NodeAssigned, JobEnded, MonitorStateDue, MonitorStateOffered,
               RunDirFailed]
 
 
@@ -172,7 +172,7 @@ class MarkSucceeded:
     """The worker is done: it exited 0, or it failed after the run's final state was committed."""
 
     rank: int
-    after_final: Failure | None = None
+    after_final: WorkerFailure | None = None
 
 
 @dataclass(**_E)
@@ -200,7 +200,7 @@ class ShutDown:
 class Replace:
     """A Supervisor rank died: declare its generation failed and start it again in place (from a spare)."""
 
-    failure: Failure
+    failure: WorkerFailure
     step: int = -1  # the step it was at (a rank that left early: the same step twice is a bug)
 
 
@@ -208,8 +208,8 @@ class Replace:
 class RestartAll:
     """torchrun's recovery (RESTARTING): every worker again, on a fresh store."""
 
-    failure: Failure
-    followed: tuple[Failure, ...]
+    failure: WorkerFailure
+    followed: tuple[WorkerFailure, ...]
     blame: str
 
 
@@ -219,9 +219,9 @@ class Fail:
 
     message: str
     exit_code: int
-    failure: Failure | None = None  # a worker's death that led to it (reported first)
+    failure: WorkerFailure | None = None  # a worker's death that led to it (reported first)
     restart_decision: str | None = None  # the restart policy's word (a plain script's attempt failed)
-    followed: tuple[Failure, ...] = ()
+    followed: tuple[WorkerFailure, ...] = ()
 
 
 @dataclass(**_E)
@@ -274,7 +274,7 @@ class End:
 
 
 @dataclass(**_E)
-class Fence:
+class FenceNode:
     """FENCED: this node's ranks are killed and the agent exits FENCED without telling the job it left (the
     node is another agent's now, or its next agent's). ``line``: what the console says, when not the words for
     a node declared lost (a node that lost the store cannot know whether it was)."""
@@ -309,4 +309,4 @@ class TakeNode:
 
 
 Decision = Union[Ignore, MarkSucceeded, StopJob, ShutDown, Replace, RestartAll, Fail, Kill, KillDumped, ClaimNode,
-                 Leave, End, Fence, EnableSpares, StartSpare, SaveMonitorState, TakeOffer, TakeNode, MoveStore]
+                 Leave, End, FenceNode, EnableSpares, StartSpare, SaveMonitorState, TakeOffer, TakeNode, MoveStore]

@@ -37,7 +37,7 @@ from resilient_train.agent.hangs import HangPolicy
 from resilient_train.agent.membership import Membership
 from resilient_train.agent.monitorstate import MonitorState
 from resilient_train.agent.move import announce_path, move_store, store_env
-from resilient_train.agent.recovery import Recovery
+from resilient_train.agent.recovery import WorkerRecovery
 from resilient_train.agent.rundirwatch import RunDirWatch
 from resilient_train.agent.signals import SignalTrap
 from resilient_train.agent.startwords import start_lines
@@ -93,7 +93,7 @@ class Agent:
             if self.host.succession is not None else None
         self._announce_to = announce_path(self.run_dir)  # where this node's ranks learn that the store moved
         self.workers = Workers(c, self.entry, run_dir=self.run_dir, events=self.events, console=self.console)
-        self.recovery = Recovery(c, self.lifecycle, workers=self.workers, hangs=self.hangs, host=self.host,
+        self.recovery = WorkerRecovery(c, self.lifecycle, workers=self.workers, hangs=self.hangs, host=self.host,
                                  events=self.events, say=self._say,
                                  spawn=lambda rank, g, replacement: self._spawn(rank, g, replacement=replacement))
         self.spares = self._spare_pool()
@@ -180,13 +180,13 @@ class Agent:
             self._start_node()
 
     def _guarded(self, step: Callable[[], None]) -> None:
-        """Runs one step of the loop; a store that fails under it is one more event (StoreLost)."""
+        """Runs one step of the loop; a store that fails under it is one more event (StoreUnreachable)."""
         try:
             step()
         except dist.DistError as e:
             error = str(e).splitlines()[0] if str(e) else type(e).__name__
             codes = [w.proc.poll() for w in self.workers]  # how this node's part ended, if it did
-            self._act(decide(self.view(), ev.StoreLost(error=error, finished=bool(codes) and set(codes) == {0},
+            self._act(decide(self.view(), ev.StoreUnreachable(error=error, finished=bool(codes) and set(codes) == {0},
                                                        fenced=exitcodes.FENCED in codes)))
 
     def _look(self) -> None:
@@ -293,7 +293,7 @@ class Agent:
             self.events.emit("agent_end", ok=d.exit_code == 0, reason=d.reason, exit_code=d.exit_code,
                              restarts=self.restarts, **extra)
             self.lifecycle.end(d.exit_code, d.reason)
-        elif isinstance(d, ev.Fence):
+        elif isinstance(d, ev.FenceNode):
             self.ending.fence(d.how, restarts=self.restarts, line=d.line)
         elif isinstance(d, ev.EnableSpares):
             assert self.spares is not None

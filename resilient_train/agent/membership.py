@@ -27,7 +27,7 @@ from resilient_train.protocol.nodes import (
 from resilient_train.base import exitcodes
 from resilient_train.agent.liveness import LivenessClient, LivenessServer
 from resilient_train.agent.succession import MOVED_CLAIM, AgentSuccession, Moved
-from resilient_train.protocol.succession.rules import Keys as SuccessionKeys
+from resilient_train.protocol.succession.rules import SuccessionKeys
 from resilient_train.agent.width import BelowMinimum, grow, is_member, shrink, start_members, wait_for_start
 from resilient_train.protocol.members import members_of
 from resilient_train.protocol.store import (

@@ -21,15 +21,15 @@ from resilient_train.agent.hangs import HangPolicy
 from resilient_train.agent.state import AgentLifecycle, AgentState
 from resilient_train.agent.storehost import StoreHost
 from resilient_train.agent.workers import Workers
-from resilient_train.agent.restarts import Failure, RestartPolicy
+from resilient_train.agent.restarts import WorkerFailure, RestartPolicy
 from resilient_train.protocol.store import current_generation, declare_fault, interrupt_for_stop, request_stop
 
-__all__ = ["Recovery"]
+__all__ = ["WorkerRecovery"]
 
 Spawn = Callable[[int, int, bool], None]  # (rank, generation, replacement)
 
 
-class Recovery:
+class WorkerRecovery:
     def __init__(self, config: AgentConfig, lifecycle: AgentLifecycle, *, workers: Workers, hangs: HangPolicy,
                  host: StoreHost, events: EventLog, say: Callable[[str], None], spawn: Spawn) -> None:
         self.config, self.lifecycle, self.workers, self.hangs, self.host = config, lifecycle, workers, hangs, host
@@ -47,7 +47,7 @@ class Recovery:
         w = self.workers.get(rank)
         return (w.cause if w is not None else None) or {"kind": "exit"}
 
-    def fault_detected(self, failure: Failure) -> None:
+    def fault_detected(self, failure: WorkerFailure) -> None:
         """Reports a worker's death (first logging the stacks of a hung one that died while dumping them)."""
         w = self.workers.get(failure.rank)
         assert w is not None
@@ -56,12 +56,12 @@ class Recovery:
                          generation=current_generation(self.host.store), summary=failure.summary,
                          **self.cause(w.rank))
 
-    def attempt_failed(self, failure: Failure, followed: tuple[Failure, ...], decision: str) -> None:
+    def attempt_failed(self, failure: WorkerFailure, followed: tuple[WorkerFailure, ...], decision: str) -> None:
         self.events.emit("attempt_failed", attempt=self.host.attempt, rank=failure.rank, how=failure.how,
                          kind=failure.kind, summary=failure.summary, followed=[o.rank for o in followed],
                          decision=decision)
 
-    def replace(self, failure: Failure, *, step: int = -1) -> None:
+    def replace(self, failure: WorkerFailure, *, step: int = -1) -> None:
         """A Supervisor rank died: its generation failed, and the rank starts again in place."""
         self.fault_detected(failure)
         if failure.kind == "early-exit":

@@ -24,13 +24,13 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Decision", "ExitClock", "Failure", "RestartPolicy"]
+__all__ = ["Decision", "ExitClock", "RestartPolicy", "WorkerFailure"]
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Failure:
+class WorkerFailure:
     rank: int
     how: str  # "exit code 1", "signal SIGKILL"
     kind: str  # "exception" (a traceback was printed), "exit", "signal", "hang", "straggler"
@@ -41,7 +41,7 @@ class Failure:
         cause = f": {self.summary}" if self.summary else ""
         return f"rank {self.rank} failed first ({self.how}){cause}"
 
-    def same_as(self, other: Failure | None) -> bool:
+    def same_as(self, other: WorkerFailure | None) -> bool:
         return (other is not None and self.kind == other.kind == "exception" and self.summary is not None
                 and _ADDRESS.sub("0x", self.summary) == _ADDRESS.sub("0x", other.summary or ""))
 
@@ -56,16 +56,16 @@ class RestartPolicy:
     def __init__(self, max_restarts: int) -> None:
         self.max_restarts = max_restarts
         self.restarts = 0
-        self._last: Failure | None = None
+        self._last: WorkerFailure | None = None
         self._last_step = -1  # the highest step any rank reported when the last attempt failed
 
-    def judge(self, failure: Failure, *, reported_step: int) -> Decision:
+    def judge(self, failure: WorkerFailure, *, reported_step: int) -> Decision:
         """What :meth:`decide` would answer, changing nothing (the agent's decision function asks this)."""
         if failure.same_as(self._last) and reported_step <= self._last_step:
             return Decision.REPEATED
         return Decision.BUDGET if self.restarts >= self.max_restarts else Decision.RESTART
 
-    def decide(self, failure: Failure, *, reported_step: int) -> Decision:
+    def decide(self, failure: WorkerFailure, *, reported_step: int) -> Decision:
         """``reported_step``: the highest step any rank of this attempt reported (-1: none reported)."""
         decision = self.judge(failure, reported_step=reported_step)
         self._last, self._last_step = failure, max(self._last_step, reported_step)

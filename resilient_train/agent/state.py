@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from resilient_train.base import exitcodes
-from resilient_train.rank.lifecycle import IllegalTransition
+from resilient_train.base.transitions import IllegalTransition
 
-__all__ = ["AgentError", "AgentLifecycle", "AgentState", "AgentStopped", "IllegalTransition", "allowed_moves"]
+__all__ = ["AgentError", "AgentLifecycle", "AgentState", "AgentStopped", "allowed_moves"]
 
 
 class AgentState(str, Enum):

@@ -49,7 +49,7 @@ from resilient_train.protocol.store import current_generation
 from resilient_train.protocol.succession.census import Census
 from resilient_train.protocol.succession.location import Endpoint, StoreLocation, StoreLost
 from resilient_train.protocol.succession.movable import MovableStore
-from resilient_train.protocol.succession.rules import AgentEntry, Keys, Succession, majority, read_entries, register
+from resilient_train.protocol.succession.rules import AgentEntry, SuccessionKeys, Succession, majority, read_entries, register
 
 __all__ = ["MOVED_CLAIM", "AgentSuccession", "Moved", "NotMoved", "Standby", "majority_wait_s"]
 
@@ -133,7 +133,7 @@ class AgentSuccession:
         assert self.entry is not None
         self.entry = AgentEntry(index=self.entry.index, addr=self.entry.addr, port=self.entry.port, node=node,
                                 incarnation=incarnation, spare=self.entry.spare)
-        store.set(Keys.entry(self.entry.index), self.entry.to_json())
+        store.set(SuccessionKeys.entry(self.entry.index), self.entry.to_json())
 
     # ------------------------------------------------------------- looks
     def poll(self, store: dist.Store, *, hosting: bool, elastic: bool) -> list[AgentEntry]:
@@ -148,16 +148,16 @@ class AgentSuccession:
         if elastic:
             self.members_seen = read_members(store, g) or self.members_seen
         if not hosting:
-            if store.check([Keys.LIST]):
-                self.known = Succession.from_json(store.get(Keys.LIST))
+            if store.check([SuccessionKeys.LIST]):
+                self.known = Succession.from_json(store.get(SuccessionKeys.LIST))
             return []
         live = self._live(store)
-        epoch = int(store.get(Keys.EPOCH)) if store.check([Keys.EPOCH]) else 0
+        epoch = int(store.get(SuccessionKeys.EPOCH)) if store.check([SuccessionKeys.EPOCH]) else 0
         others = tuple(e for e in live if e.index != self.entry.index)
         self.known = Succession(epoch=epoch, host=self.entry, agents=others)
         text = self.known.to_json()
         if text != self._written:
-            store.set(Keys.LIST, text)
+            store.set(SuccessionKeys.LIST, text)
             self._written = text
         if self.census is None:
             self.census = Census(host=self.entry.index, timeout_s=self.node_timeout_s)
@@ -223,14 +223,14 @@ class AgentSuccession:
         try:
             view = MovableStore(location)
             assert self.entry is not None
-            view.set(Keys.joined(epoch, self.entry.index), self._info())
+            view.set(SuccessionKeys.joined(epoch, self.entry.index), self._info())
             while time.monotonic() < deadline:
-                if view.check([Keys.OPEN]):
-                    opened = int(view.get(Keys.OPEN))
+                if view.check([SuccessionKeys.OPEN]):
+                    opened = int(view.get(SuccessionKeys.OPEN))
                     if opened >= epoch:
                         raw = dist.TCPStore(cand.addr, cand.port, is_master=False, timeout=timedelta(seconds=5))
                         check_fingerprint(raw, self.token, source=self._source, timeout_s=5.0)
-                        new = Succession.from_json(view.get(Keys.LIST))
+                        new = Succession.from_json(view.get(SuccessionKeys.LIST))
                         return Moved(endpoint=Endpoint(cand.addr, cand.port, opened), hosting=False,
                                      previous_host=known.host, present=tuple(a.index for a in (new.host, *new.agents)),
                                      voters=tuple(sorted(known.voters)), waited_s=time.monotonic() - t0)
@@ -243,14 +243,14 @@ class AgentSuccession:
         assert self.standby is not None and self.entry is not None
         me = self.entry
         store = self._wrap(self.standby.server)
-        store.set(Keys.EPOCH, str(epoch))
-        store.set(Keys.joined(epoch, me.index), self._info())
+        store.set(SuccessionKeys.EPOCH, str(epoch))
+        store.set(SuccessionKeys.joined(epoch, me.index), self._info())
         voters = known.voters
         expected = voters - {known.host.index}
         deadline = time.monotonic() + majority_wait_s(self.node_timeout_s)
         since: float | None = None
         while True:
-            present = {i for i in voters if store.check([Keys.joined(epoch, i)])}
+            present = {i for i in voters if store.check([SuccessionKeys.joined(epoch, i)])}
             now = time.monotonic()
             if majority(voters, present, known.host.index):
                 since = since if since is not None else now
@@ -261,7 +261,7 @@ class AgentSuccession:
                                 f"this agent's standby store (waited {now - t0:.1f} s); a generation needs a majority "
                                 "of them", host_dead)
             time.sleep(_POLL_S)
-        infos = [json.loads(store.get(Keys.joined(epoch, i))) for i in sorted(present)]
+        infos = [json.loads(store.get(SuccessionKeys.joined(epoch, i))) for i in sorted(present)]
         lost = tuple(a for a in known.agents if a.index not in present and a.node is not None)
         self._seed(store, epoch, known, infos, lost)
         return Moved(endpoint=Endpoint(self.standby.addr, self.standby.port, epoch), hosting=True,
@@ -288,9 +288,9 @@ class AgentSuccession:
         for e in spares:
             waiting = e.node is None and e.index in came
             store.set(NodeKeys.spare(e.spare), "" if waiting else (str(e.node) if e.node is not None else "gone"))
-        store.add(Keys.AGENTS, max(e.index for e in (known.host, *known.agents)) + 1)
+        store.add(SuccessionKeys.AGENTS, max(e.index for e in (known.host, *known.agents)) + 1)
         for e in entries:
-            store.set(Keys.entry(e.index), e.to_json())
+            store.set(SuccessionKeys.entry(e.index), e.to_json())
         if members is not None:  # the last generation's: the losses are handed on once the store opened
             store.set(members_key(g), json.dumps(members))
             self.members_seen = members
@@ -299,10 +299,10 @@ class AgentSuccession:
         me = AgentEntry(index=self.entry.index, addr=self.standby.addr, port=self.standby.port, node=self.entry.node,
                         incarnation=self.entry.incarnation, spare=self.entry.spare)
         self.known = Succession(epoch=epoch, host=me, agents=others)
-        store.set(Keys.LIST, self.known.to_json())
+        store.set(SuccessionKeys.LIST, self.known.to_json())
         self._written = self.known.to_json()
         self.census = Census(host=me.index, timeout_s=self.node_timeout_s)
-        store.set(Keys.OPEN, str(epoch))
+        store.set(SuccessionKeys.OPEN, str(epoch))
 
 
 def _accepts(entry: AgentEntry) -> bool:

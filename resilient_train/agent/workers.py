@@ -30,7 +30,7 @@ from resilient_train.agent.events import WorkerExited
 from resilient_train.agent.glooif import GLOO_SOCKET_IFNAME, gloo_interface
 from resilient_train.agent.state import AgentError
 from resilient_train.agent.entry import Entry
-from resilient_train.agent.restarts import ExitClock, Failure
+from resilient_train.agent.restarts import ExitClock, WorkerFailure
 from resilient_train.agent.spares import SparePool, SpareState, die_with_parent
 from resilient_train.protocol.store import Keys, read_stop
 from resilient_train.agent.workerio import Console, WorkerOutput
@@ -202,17 +202,17 @@ class Workers:
                 final=final, supervised=supervised[w.rank], early=w.rank in early, step=step_of(w.rank)))
         return events
 
-    def failure(self, w: Worker, rc: int) -> Failure:
+    def failure(self, w: Worker, rc: int) -> WorkerFailure:
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
         if w.cause is not None:
-            return Failure(rank=w.rank, how=how, kind=w.cause["kind"], summary=kill_reason(w.cause))
+            return WorkerFailure(rank=w.rank, how=how, kind=w.cause["kind"], summary=kill_reason(w.cause))
         if rc == 0:
-            return Failure(rank=w.rank, how=how, kind="early-exit", summary="left the training loop with exit code 0 "
+            return WorkerFailure(rank=w.rank, how=how, kind="early-exit", summary="left the training loop with exit code 0 "
                            "before the job's end", at=self.exits.exited_at(w.proc.pid) or time.monotonic())
         w.output.drain()  # its last lines, the traceback among them, may still be in the pipe
         summary = w.output.failure_summary()
         kind = "signal" if rc < 0 else ("exception" if summary else "exit")
-        return Failure(rank=w.rank, how=how, kind=kind, summary=summary if rc > 0 else None,
+        return WorkerFailure(rank=w.rank, how=how, kind=kind, summary=summary if rc > 0 else None,
                        at=self.exits.exited_at(w.proc.pid) or time.monotonic())
 
     # ------------------------------------------------------------- ending

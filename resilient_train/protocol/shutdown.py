@@ -45,7 +45,7 @@ import torch.distributed as dist
 from resilient_train.base import exitcodes
 from resilient_train.protocol.store import read_stop
 
-__all__ = ["DEFAULT_GRACE_S", "EXIT_RESERVE_S", "PLAIN_SHUTDOWN_TIMEOUT_S", "Shutdown", "ShutdownKeys", "Verdict",
+__all__ = ["DEFAULT_GRACE_S", "EXIT_RESERVE_S", "PLAIN_SHUTDOWN_TIMEOUT_S", "Shutdown", "ShutdownKeys", "ShutdownExit",
            "auto_grace", "check_seconds", "publish_grace", "record_preempted"]
 
 DEFAULT_GRACE_S = 60.0  # the least a preemption gets (README: what it covers, measured)
@@ -94,7 +94,7 @@ def record_preempted(store: dist.Store, rank: int, *, step: int, committed: bool
 
 
 @dataclass(frozen=True, kw_only=True)
-class Verdict:
+class ShutdownExit:
     """How one agent ends a shutdown: its exit code and its one line (None: torchrun's, nothing more to say)."""
 
     exit_code: int
@@ -193,7 +193,7 @@ class Shutdown:
         return sorted(rank for rank, p in procs().items() if p.poll() is None)
 
     # ------------------------------------------------------------- verdict
-    def verdict(self, store: dist.Store, exit_codes: dict[int, int | None]) -> Verdict:
+    def verdict(self, store: dist.Store, exit_codes: dict[int, int | None]) -> ShutdownExit:
         """The exit code from what the ranks recorded (the store), else from how this node's workers ended."""
         self._read(store)
         name = signal.Signals(self.signum).name if self.signum else None
@@ -202,10 +202,10 @@ class Shutdown:
         if self._stop is not None:
             code = int(self._stop.get("exit_code", exitcodes.STOPPED))
             why = f"rank {self._stop.get('rank')} stopped it: {self._stop.get('summary')}"
-            return Verdict(exit_code=code, line=f"job stopped{by}: {why} (exit code {code})", reason=why)
+            return ShutdownExit(exit_code=code, line=f"job stopped{by}: {why} (exit code {code})", reason=why)
         if self.supervised and exit_codes and all(rc == 0 for rc in exit_codes.values()):
             # The ranks were past their last step (a plain script's exits say nothing: torchrun's 128 + N).
-            return Verdict(exit_code=exitcodes.OK, line="the job had finished when the signal came (exit code 0)",
+            return ShutdownExit(exit_code=exitcodes.OK, line="the job had finished when the signal came (exit code 0)",
                            reason="finished")
         steps = [r["step"] for r in self._records.values() if isinstance(r.get("step"), int)]
         if steps:
@@ -219,12 +219,12 @@ class Shutdown:
                 within = f" within the grace ({grace:g} s)" if grace is not None else ""
                 how = (f"the ranks stopped at step {step} but its checkpoint did not commit{within}; started again, "
                        "the job resumes from its newest committed checkpoint")
-            return Verdict(exit_code=code, line=f"preempted{by}: {how} (exit code {code})", step=step,
+            return ShutdownExit(exit_code=code, line=f"preempted{by}: {how} (exit code {code})", step=step,
                            committed=committed, reason=f"preempted at step {step}")
         if any(rc == exitcodes.REQUEUE for rc in exit_codes.values()):
             # No record to read (the store went with node 0): the ranks' own word.
             code = exitcodes.REQUEUE
-            return Verdict(exit_code=code, line=f"preempted{by}: the ranks checkpointed and stopped; start the job "
+            return ShutdownExit(exit_code=code, line=f"preempted{by}: the ranks checkpointed and stopped; start the job "
                            f"again to resume (exit code {code})", reason="preempted")
         code = 128 + self.signum if self.signum else exitcodes.FAILED
         if self.supervised:
@@ -232,7 +232,7 @@ class Shutdown:
                     f"resumes from its newest committed checkpoint (exit code {code})")
         else:
             line = None  # torchrun's shutdown: the first line said it all
-        return Verdict(exit_code=code, line=line, reason=f"received {name}" if name else "stopped")
+        return ShutdownExit(exit_code=code, line=line, reason=f"received {name}" if name else "stopped")
 
     # ------------------------------------------------------------ helpers
     def _read(self, store: dist.Store) -> None:

@@ -39,7 +39,7 @@ from resilient_train.rank.local_state import LocalSlots
 from resilient_train.protocol.store import Keys, StoreTimeout, current_generation, read_fault, settle, wait_until
 
 __all__ = [
-    "GenerationFailed", "JoinError", "Membership", "ResumePlan", "ResumeSource", "RunFinished",
+    "GenerationFailed", "JoinError", "RankMembership", "ResumePlan", "ResumeSource", "RunFinished",
     "join_generation", "plan_resume",
 ]
 
@@ -59,7 +59,7 @@ class ResumeSource(str, Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Membership:
+class RankMembership:
     """What one rank brings to a generation."""
 
     rank: int
@@ -83,7 +83,7 @@ class Membership:
         return json.dumps(vars(self))  # its fields are plain JSON already (asdict's deep copy is half the join's CPU)
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> "Membership":
+    def from_json(cls, data: bytes | str) -> "RankMembership":
         return cls(**json.loads(data))
 
     def own(self) -> set[int]:
@@ -133,30 +133,30 @@ class ResumePlan:
                    cause=d.get("cause"), width=d.get("width"))
 
 
-def _replacements(members: dict[int, Membership]) -> list[int]:
+def _replacements(members: dict[int, RankMembership]) -> list[int]:
     return sorted(r for r, m in members.items() if m.replacement and m.new_process)
 
 
-def _classes(members: dict[int, Membership]) -> dict[int, list[int]]:
+def _classes(members: dict[int, RankMembership]) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for r, m in sorted(members.items()):
         out.setdefault(m.replica_class, []).append(r)
     return out
 
 
-def _buddy_holder(members: dict[int, Membership], owner: int, step: int) -> int | None:
+def _buddy_holder(members: dict[int, RankMembership], owner: int, step: int) -> int | None:
     holders = sorted(r for r, m in members.items() if r != owner and step in m.buddy_steps.get(str(owner), []))
     return holders[0] if holders else None
 
 
-def _covered(members: dict[int, Membership], ranks: list[int], step: int) -> bool:
+def _covered(members: dict[int, RankMembership], ranks: list[int], step: int) -> bool:
     """A replica class can be rebuilt at ``step``: a member holds it (live or its own copy), or a buddy each."""
     if any(members[r].live_step == step or step in members[r].own() for r in ranks):
         return True
     return all(_buddy_holder(members, r, step) is not None for r in ranks)
 
 
-def plan_resume(generation: int, members: dict[int, Membership],
+def plan_resume(generation: int, members: dict[int, RankMembership],
                 logical_steps: dict[int, list[int]] | None = None) -> ResumePlan:
     """The same pure function on every rank: the newest step that can be rebuilt everywhere.
 
@@ -211,7 +211,7 @@ def join_generation(
     store: dist.Store,
     *,
     world_size: int,
-    me: Callable[[], Membership],
+    me: Callable[[], RankMembership],
     timeout: float,
     finished: Callable[[], bool] = lambda: False,
     stopped: Callable[[], None] = lambda: None,
@@ -287,7 +287,7 @@ def _plan(store: dist.Store, g: int, world_size: int, deadline: float, *, elasti
     if any(v == _FAILED_BYTES for v in values):
         return  # the generation failed while it assembled: its outcome is FAILED
     with _collector_paused():  # thousands of fresh dicts would start a full collection of the rank's heap
-        members = {r: Membership(**d) for r, d in zip(slots, json.loads(b"[" + b",".join(values) + b"]"))}
+        members = {r: RankMembership(**d) for r, d in zip(slots, json.loads(b"[" + b",".join(values) + b"]"))}
         if elastic:
             plan = _elastic_plan(store, g, world_size, members)
         else:
@@ -297,7 +297,7 @@ def _plan(store: dist.Store, g: int, world_size: int, deadline: float, *, elasti
     settle(store, g, plan.to_json())
 
 
-def _elastic_plan(store: dist.Store, g: int, width: int, members: dict[int, Membership]) -> ResumePlan:
+def _elastic_plan(store: dist.Store, g: int, width: int, members: dict[int, RankMembership]) -> ResumePlan:
     """The plan of an elastic generation: every logical rank's local state must be held (a member reports
     its own logical ranks'; the store is asked of the others, whose host is gone), and the logical ranks are
     assigned to the members (balanced, stable, home first)."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["IllegalTransition", "Lifecycle", "SupervisorState"]
+from resilient_train.base.transitions import IllegalTransition
+
+__all__ = ["Lifecycle", "SupervisorState"]
 
 
 class SupervisorState(str, Enum):
@@ -40,10 +42,6 @@ _ALLOWED: dict[SupervisorState, frozenset[SupervisorState]] = {
     _S.DONE: frozenset(),
     _S.FAILED: frozenset(),
 }
-
-
-class IllegalTransition(RuntimeError):
-    pass
 
 
 class Lifecycle:

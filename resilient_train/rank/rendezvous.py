@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch.distributed as dist
 
 from resilient_train.rank.fence import check_fence
-from resilient_train.rank.generation import Membership, ResumePlan, RunFinished, join_generation
+from resilient_train.rank.generation import RankMembership, ResumePlan, RunFinished, join_generation
 from resilient_train.protocol.store import Keys, read_stop, report_fault
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def leave_generation(store: dist.Store, generation: int, cause: dict[str, Any], 
     return first, standing, None
 
 
-def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], Membership], timeout: float,
+def enter_generation(store: dist.Store, *, world_size: int, me: Callable[[], RankMembership], timeout: float,
                      stopped: Callable[[], None], moved_to: int | None = None, elastic: bool = False) -> ResumePlan:
     """Joins the current generation and returns its plan; :class:`RunFinished` once the run's final state is in.
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from resilient_train.rank.parts import Part
 from resilient_train.protocol.succession.location import Endpoint, StoreLocation
 from resilient_train.protocol.succession.movable import MovableStore
-from resilient_train.protocol.succession.rules import Keys, Succession
+from resilient_train.protocol.succession.rules import SuccessionKeys, Succession
 
 __all__ = ["Mirror", "MirrorPart"]
 
@@ -41,7 +41,7 @@ class Mirror:
     def retarget(self, store: dist.Store) -> None:
         """The first successor of the store's host, from the succession the host keeps (each generation)."""
         try:
-            raw = store.get(Keys.LIST) if store.check([Keys.LIST]) else None
+            raw = store.get(SuccessionKeys.LIST) if store.check([SuccessionKeys.LIST]) else None
         except dist.DistError:
             return
         agents = Succession.from_json(raw).agents if raw is not None else ()

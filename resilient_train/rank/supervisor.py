@@ -34,7 +34,7 @@ from resilient_train.rank.disk import DEFAULT_TIMEOUT_S, DiskCheckpoints
 from resilient_train.rank.errors import GenerationFailed, JobStopped, UsageError
 from resilient_train.rank.storefollow import judge_following
 from resilient_train.rank.finish import close_failed, end_run, finish_job
-from resilient_train.rank.generation import Membership, ResumeSource, RunFinished
+from resilient_train.rank.generation import RankMembership, ResumeSource, RunFinished
 from resilient_train.rank.group import RELEASE_AT_EXIT_S, abort_nccl, backend_device, build_group, join_releases
 from resilient_train.rank.group import release_group, release_retired
 from resilient_train.rank.heal import restore_from_disk, restore_live
@@ -219,10 +219,10 @@ class Supervisor:
         self.stepper.enter("startup" if self._fresh else "recovery", self.state.step)
         t0 = time.monotonic()
 
-        def me() -> Membership:
+        def me() -> RankMembership:
             snap = self.snapshot.snapshot.step if self.snapshot is not None else None
             spec = self._mesh_spec
-            return Membership(rank=self.env.rank, pid=os.getpid(), live_step=self.stepper.live, snapshot_step=snap,
+            return RankMembership(rank=self.env.rank, pid=os.getpid(), live_step=self.stepper.live, snapshot_step=snap,
                               local_steps=self.slots.steps(self.env.rank), replacement=self.env.replacement,
                               fresh=self._fresh, new_process=self._new_process,
                               replica_class=spec.replica_class(self.env.rank, self.env.world_size) if spec else 0,

@@ -10,8 +10,9 @@ from resilient_train.base import exitcodes
 from resilient_train.agent import AgentState
 from resilient_train.agent import events as ev
 from resilient_train.agent.decide import View, decide
-from resilient_train.agent.state import AgentError, AgentLifecycle, IllegalTransition, allowed_moves
-from resilient_train.agent.restarts import Failure, RestartPolicy
+from resilient_train.agent.state import AgentError, AgentLifecycle, allowed_moves
+from resilient_train.base.transitions import IllegalTransition
+from resilient_train.agent.restarts import WorkerFailure, RestartPolicy
 
 S = AgentState
 MOVES = {
@@ -69,8 +70,8 @@ def test_end_and_fail_carry_the_exit_code() -> None:
 
 
 def _failure(rank: int, kind: str = "exception", summary: str | None = "RuntimeError: boom", how: str = "exit code 1",
-             at: float = 0.0) -> Failure:
-    return Failure(rank=rank, how=how, kind=kind, summary=summary, at=at)
+             at: float = 0.0) -> WorkerFailure:
+    return WorkerFailure(rank=rank, how=how, kind=kind, summary=summary, at=at)
 
 
 def _view(**kw: object) -> View:
@@ -162,23 +163,23 @@ def test_a_lost_store_fences_every_node_but_its_host_unless_its_part_had_finishe
     """A node that lost the store cannot tell node 0's loss from its own link's, nor know whether the job
     declared it lost: it is fenced (94), in one line; node 0, whose agent hosts the store, fails (1)."""
     v = _view(hosting=False, store_address="10.0.0.1:29500")
-    lost = decide(v, ev.StoreLost(error="the store did not answer a check within 5 s"))
-    assert isinstance(lost, ev.Fence) and lost.how == "lost the store on 10.0.0.1:29500"
+    lost = decide(v, ev.StoreUnreachable(error="the store did not answer a check within 5 s"))
+    assert isinstance(lost, ev.FenceNode) and lost.how == "lost the store on 10.0.0.1:29500"
     assert lost.line is not None and lost.line.startswith(
         "lost the store on 10.0.0.1:29500 (node 0's agent is gone or does not answer, or this node is cut off from "
         "it: the store did not answer a check within 5 s): this node cannot know whether it was declared lost")
     assert "(exit code 94)" in lost.line and "\n" not in lost.line
-    assert decide(_view(hosting=False, state=S.STARTING), ev.StoreLost(error="reset")).line is not None  # type: ignore[union-attr]
-    spare = decide(_view(hosting=False, state=S.WAITING_FOR_NODE), ev.StoreLost(error="reset"))
+    assert decide(_view(hosting=False, state=S.STARTING), ev.StoreUnreachable(error="reset")).line is not None  # type: ignore[union-attr]
+    spare = decide(_view(hosting=False, state=S.WAITING_FOR_NODE), ev.StoreUnreachable(error="reset"))
     assert isinstance(spare, ev.End) and (spare.exit_code, spare.reason) == (exitcodes.FENCED, "fenced")
-    leaving = decide(_view(hosting=False, state=S.LEAVING), ev.StoreLost(error="reset"))
+    leaving = decide(_view(hosting=False, state=S.LEAVING), ev.StoreUnreachable(error="reset"))
     assert isinstance(leaving, ev.Fail) and leaving.exit_code == exitcodes.FENCED  # nothing left to kill first
-    fenced = decide(v, ev.StoreLost(error="Connection reset by peer", fenced=True))
-    assert isinstance(fenced, ev.Fence) and fenced.how == "its ranks left fenced; the store is gone since"
+    fenced = decide(v, ev.StoreUnreachable(error="Connection reset by peer", fenced=True))
+    assert isinstance(fenced, ev.FenceNode) and fenced.how == "its ranks left fenced; the store is gone since"
     for hosting in (False, True):
-        done = decide(_view(hosting=hosting), ev.StoreLost(error="Connection reset by peer", finished=True))
+        done = decide(_view(hosting=hosting), ev.StoreUnreachable(error="Connection reset by peer", finished=True))
         assert isinstance(done, ev.End) and done.exit_code == 0
-    own = decide(_view(hosting=True, store_address="10.0.0.1:29500"), ev.StoreLost(error="Connection reset"))
+    own = decide(_view(hosting=True, store_address="10.0.0.1:29500"), ev.StoreUnreachable(error="Connection reset"))
     assert isinstance(own, ev.Fail) and own.exit_code == exitcodes.FAILED
     assert "lost the store on 10.0.0.1:29500 (this agent's own store failed)" in own.message
 
@@ -186,6 +187,6 @@ def test_a_lost_store_fences_every_node_but_its_host_unless_its_part_had_finishe
 @pytest.mark.timeout(30)
 def test_a_node_declared_lost_while_its_agent_lived_is_fenced_unless_it_had_finished() -> None:
     v = _view()
-    assert isinstance(decide(v, ev.Fenced(how="no beat for 2 s")), ev.Fence)
+    assert isinstance(decide(v, ev.Fenced(how="no beat for 2 s")), ev.FenceNode)
     assert decide(_view(finished=True), ev.Fenced(how="no beat for 2 s")) == ev.Leave(exit_code=0)
-    assert isinstance(decide(v, _exit(rc=exitcodes.FENCED)), ev.Fence)  # a rank saw the fence first
+    assert isinstance(decide(v, _exit(rc=exitcodes.FENCED)), ev.FenceNode)  # a rank saw the fence first

@@ -92,9 +92,9 @@ def _raise_if_stopped(store):
 def _member(rank: int, live: int | None):
     import os
 
-    from resilient_train.rank.generation import Membership
+    from resilient_train.rank.generation import RankMembership
 
-    return Membership(rank=rank, pid=os.getpid(), live_step=live, snapshot_step=None,
+    return RankMembership(rank=rank, pid=os.getpid(), live_step=live, snapshot_step=None,
                       local_steps=[] if live is None else [live], replacement=False)
 
 

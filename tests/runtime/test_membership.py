@@ -17,7 +17,7 @@ from resilient_train.protocol.succession.location import call_timeout_s
 from resilient_train.agent.succession import AgentSuccession
 from resilient_train.protocol.nodes import NodeKeys, register_node
 from resilient_train.protocol.succession.location import Endpoint
-from resilient_train.protocol.succession.rules import Keys as SuccessionKeys
+from resilient_train.protocol.succession.rules import SuccessionKeys
 from resilient_train.protocol.succession.rules import register
 
 

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from resilient_train.rank.errors import FailureKind, GenerationFailed, UsageError, classify
-from resilient_train.rank.generation import Membership, ResumeSource, plan_resume
-from resilient_train.rank.lifecycle import IllegalTransition, Lifecycle, SupervisorState
+from resilient_train.rank.generation import RankMembership, ResumeSource, plan_resume
+from resilient_train.base.transitions import IllegalTransition
+from resilient_train.rank.lifecycle import Lifecycle, SupervisorState
 from resilient_train.rank.snapshot import HostSnapshot
 
 
 def _m(rank, live=None, local=(), snap=None, replacement=False, fresh=False):
-    return Membership(rank=rank, pid=100 + rank, live_step=live, snapshot_step=snap, local_steps=list(local),
+    return RankMembership(rank=rank, pid=100 + rank, live_step=live, snapshot_step=snap, local_steps=list(local),
                       replacement=replacement, fresh=fresh)
 
 
@@ -62,7 +63,7 @@ def test_plan_fresh_run():
 @pytest.mark.timeout(10)
 def test_membership_round_trips_through_json():
     m = _m(3, 7, [6, 7], snap=5, replacement=True)
-    assert Membership.from_json(m.to_json()) == m
+    assert RankMembership.from_json(m.to_json()) == m
 
 
 @pytest.mark.timeout(10)

@@ -11,13 +11,13 @@ import torch.distributed as dist
 from checkpointing import write_state
 from resilient_train.rank.buddy import BUDGET, Interval
 from resilient_train.rank.errors import UsageError
-from resilient_train.rank.generation import Membership, ResumeSource, plan_resume
+from resilient_train.rank.generation import RankMembership, ResumeSource, plan_resume
 from resilient_train.rank.mesh import MeshSpec
 from resilient_train.rank.shard_state import checksum
 
 
 def _m(rank, live=None, local=(), *, cls=None, own=(), buddy=None, replacement=False):
-    return Membership(rank=rank, pid=100 + rank, live_step=live, snapshot_step=None, local_steps=list(local),
+    return RankMembership(rank=rank, pid=100 + rank, live_step=live, snapshot_step=None, local_steps=list(local),
                       replacement=replacement, replica_class=rank if cls is None else cls, own_steps=list(own),
                       buddy_steps={str(k): list(v) for k, v in (buddy or {}).items()})
 

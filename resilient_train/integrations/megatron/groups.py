@@ -29,7 +29,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from checkpointing.tree import children
 
-__all__ = ["Census", "GroupCensus", "LayoutGroup", "group_values", "is_group", "reset_module_state",
+__all__ = ["GroupCount", "GroupCensus", "LayoutGroup", "group_values", "is_group", "reset_module_state",
            "snapshot_module_state"]
 
 
@@ -66,7 +66,7 @@ def group_values(value: Any) -> list[Any]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Census:
+class GroupCount:
     """One count: groups torch has registered, and the integration's groups still alive."""
 
     registered: int  # entries of torch's group map (the default group included)
@@ -87,10 +87,10 @@ class GroupCensus:
                 seen.add(id(g))
                 self._built += 1
 
-    def count(self) -> Census:
+    def count(self) -> GroupCount:
         gc.collect()  # a cycle (a module and its bound methods) may hold a group until collected
         self._refs = [r for r in self._refs if r() is not None]
-        return Census(registered=len(c10d._world.pg_map), alive=len(self._refs), built=self._built)
+        return GroupCount(registered=len(c10d._world.pg_map), alive=len(self._refs), built=self._built)
 
     def holders(self) -> list[str]:
         """For a report: each group still alive (its Megatron name) and what refers to it.

@@ -30,7 +30,7 @@ from checkpointing.tree import children
 from resilient_train.rank.errors import UsageError
 from resilient_train.rank.group import abort_nccl
 from resilient_train.integrations.megatron.groups import (
-    Census, GroupCensus, LayoutGroup, group_values, is_group, reset_module_state, snapshot_module_state,
+    GroupCount, GroupCensus, LayoutGroup, group_values, is_group, reset_module_state, snapshot_module_state,
 )
 from resilient_train.integrations.megatron.layout import ParallelLayout
 
@@ -140,7 +140,7 @@ class MegatronParallel:
         self.repointed = self._repoint(self._current)
         self.generation = generation
 
-    def teardown(self, *, abort: bool = False) -> Census:
+    def teardown(self, *, abort: bool = False) -> GroupCount:
         """Drops every reference to this generation's Megatron groups and destroys them; returns the count.
 
         Safe to call with nothing built. Call it before the default group is
@@ -161,7 +161,7 @@ class MegatronParallel:
         self.stale = reset_module_state(self._ps, self._pristine)
         return self.census.count()
 
-    def count(self) -> Census:
+    def count(self) -> GroupCount:
         return self.census.count()
 
     # ------------------------------------------------------------ helpers

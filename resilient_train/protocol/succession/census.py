@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from resilient_train.protocol.succession.rules import AgentEntry, Keys, majority
+from resilient_train.protocol.succession.rules import AgentEntry, SuccessionKeys, majority
 
 __all__ = ["FRESH_S", "Census"]
 
@@ -46,7 +46,7 @@ class Census:
         for e in entries:
             if e.index == self.host:
                 continue
-            beat = int(store.add(Keys.beat(e.index), 0))
+            beat = int(store.add(SuccessionKeys.beat(e.index), 0))
             seen = self._seen.get(e.index)
             if seen is None or seen.beat != beat:
                 self._seen[e.index] = _Seen(beat, max(now, self.excused_until))

@@ -52,10 +52,10 @@ from typing import Iterable
 
 import torch.distributed as dist
 
-__all__ = ["AgentEntry", "Keys", "Succession", "majority", "read_entries", "register"]
+__all__ = ["AgentEntry", "Succession", "SuccessionKeys", "majority", "read_entries", "register"]
 
 
-class Keys:
+class SuccessionKeys:
     EPOCH = "rt/store/epoch"  # the epoch this store serves (0: node 0's agent's, at the start)
     OPEN = "rt/store/open"  # set to the epoch once a majority came: generations may form
     LIST = "rt/store/succession"  # the host's view: JSON of Succession
@@ -136,15 +136,15 @@ def majority(voters: Iterable[int], present: Iterable[int], previous_host: int) 
 
 def register(store: dist.Store, entry_without_index: dict) -> AgentEntry:
     """Registers an agent (a new index), its entry written; returns it."""
-    index = int(store.add(Keys.AGENTS, 1)) - 1
+    index = int(store.add(SuccessionKeys.AGENTS, 1)) - 1
     entry = AgentEntry.from_dict({**entry_without_index, "index": index})
-    store.set(Keys.entry(index), entry.to_json())
+    store.set(SuccessionKeys.entry(index), entry.to_json())
     return entry
 
 
 def read_entries(store: dist.Store) -> list[AgentEntry]:
     """Every registered entry (one wait-free read per entry)."""
-    n = int(store.add(Keys.AGENTS, 0))
-    keys = [Keys.entry(i) for i in range(n)]
+    n = int(store.add(SuccessionKeys.AGENTS, 0))
+    keys = [SuccessionKeys.entry(i) for i in range(n)]
     present = [k for k in keys if store.check([k])]
     return [AgentEntry.from_dict(json.loads(v)) for v in (store.multi_get(present) if present else [])]
