@@ -1,6 +1,6 @@
 """Read-only views of a run: events, heartbeats, straggler scores, metrics sinks.
 
-Nothing here imports ``resilient_train``: the runtime composes these pieces.
+Of the runtime, only ``resilient_train.base`` is imported here: the runtime composes these pieces.
 Ranks write progress (``ProgressReporter``; on a GPU it also times sections
 with CUDA events, ``device_timing``); the node agent polls a ``NodeMonitor``
 (or ``HangDetector`` and ``StragglerDetector`` directly), takes hung ranks'
@@ -12,10 +12,13 @@ not imported here: its server needs the ``dashboard`` extra.
 
 from monitors.control import StragglerControl, read_control, write_control
 from monitors.events import EventLog, read_events
-from monitors.hang import Hang, HangConfig, HangDetector
+from monitors.hang import HangDetector
+from monitors.hangconfig import HangConfig
+from monitors.hangverdict import Hang
 from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
 from monitors.node import MetricsConfig, MonitorConfig, MonitorResult, NodeMonitor, max_local_ranks
-from monitors.progress import ProgressReader, ProgressReporter, ProgressSnapshot, StepRecord
+from monitors.progress import ProgressReporter, ProgressSnapshot, StepRecord
+from monitors.progressreader import ProgressReader
 from monitors.sections import SECTIONS, Section
 from monitors.straggler import (
     RankScore,

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from resilient_train.base.cliargs import OneLineParser, number
 from monitors.control import read_control, write_control
 from monitors.events import read_events
-from monitors.progress import ProgressReader
+from monitors.progressreader import ProgressReader
 from monitors.stacks import innermost_frame
 
 __all__ = ["status_main", "straggler_main"]

@@ -56,126 +56,37 @@ data back (``load_state_dict``) checks every number first: a forged checkpoint
 saying every section once took 1e308 s would otherwise switch hang detection
 off (docs/security.md). Merging keeps the larger maximum: a timeout learned
 from a checkpoint never shrinks below what this job has seen.
+
+Its configuration is :mod:`monitors.hangconfig`; what it reports, and which
+hung ranks to kill, :mod:`monitors.hangverdict`.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Iterable
 
 from monitors.activity import PROBE_AFTER_S, Activity, RankActivity, idle_for
 from resilient_train.base.configfile import (
-    MAX_COUNT, MAX_SECONDS, kind, require_bool, require_int, require_number, require_strs,
+    MAX_COUNT, MAX_SECONDS, kind, require_int, require_number,
 )
-from resilient_train.base.configtree import renamed
-from monitors.progress import ProgressReader, ProgressSnapshot
-from monitors.sections import COLLECTIVE_SECTIONS, LONG_SECTIONS, SECTIONS, Section
+from monitors.progress import ProgressSnapshot
+from monitors.progressreader import ProgressReader
+from monitors.hangconfig import HangConfig
+from monitors.hangverdict import Evidence, Hang
+from monitors.sections import LONG_SECTIONS, SECTIONS, Section
 
 RECOVERY = Section.RECOVERY.value
 STARTUP = Section.STARTUP.value
 LOAD = Section.LOAD.value
 
-__all__ = ["Evidence", "Hang", "HangConfig", "HangDetector", "ranks_to_kill"]
+__all__ = ["HangDetector"]
 
 IMPOSSIBLE_READS_BEFORE_JUDGING = 20  # about a second of the agent's polls
-MAX_SAFETY_FACTOR = 100.0
 # A section a rank finished was shorter than the timeout applied to it (else the rank was killed), give or
 # take the agent's poll: a saved maximum above twice the longest timeout was not observed, it was written.
 OBSERVED_SLACK = 2.0
-
-
-@renamed(timeouts="timeouts_s", min_timeout="idle_timeout_s", default_timeout="idle_timeout_s",
-         min_timeout_s="idle_timeout_s", default_timeout_s="idle_timeout_s",
-         startup_timeout="startup_timeout_s", long_section_timeout="long_section_timeout_s",
-         longest_timeout="longest_timeout_s")
-@dataclass(kw_only=True)
-class HangConfig:
-    enabled: bool = True  # off: no rank is ever taken for hung
-    timeouts_s: dict[str, float] = field(default_factory=dict)  # per section, seconds: fixed, never computed
-    computed: bool = True  # timeouts computed from the durations observed (else the floors below)
-    safety_factor: float = 5.0  # a computed timeout: this times the longest duration seen for the section
-    min_observations: int = 10  # times a section is seen, across ranks, before its timeout is computed
-    stopped_timeout_s: float = 3.0  # a rank stopped (SIGSTOP, a debugger) while its agent runs
-    idle_timeout_s: float = 60.0  # a rank whose processes use no CPU (a deadlock, a lost I/O), at least
-    busy_timeout_s: float = 1800.0  # a rank that computes (an evaluation, a long step) or waits on other nodes, at least
-    startup_timeout_s: float = 300.0  # before a rank's first progress, and in "startup"
-    long_section_timeout_s: float = 600.0  # in "load", "checkpoint" and "recovery"
-    collective_sections: tuple[str, ...] = tuple(sorted(COLLECTIVE_SECTIONS))  # a rank in these waits on peers
-
-    def __post_init__(self) -> None:
-        require_bool(self.enabled, "hang.enabled")
-        require_bool(self.computed, "hang.computed")
-        if not isinstance(self.timeouts_s, dict):
-            raise ValueError(f"hang.timeouts_s must be a mapping of section to seconds, got {kind(self.timeouts_s)}")
-        unknown = sorted(str(s) for s in set(self.timeouts_s) - set(SECTIONS))
-        if unknown:
-            raise ValueError(f"hang.timeouts_s: unknown sections {unknown}; expected some of {list(SECTIONS)}")
-        for section, t in self.timeouts_s.items():
-            require_number(t, f"hang.timeouts_s.{section}", above=0, high=MAX_SECONDS)
-        for name in ("stopped_timeout_s", "idle_timeout_s", "busy_timeout_s", "startup_timeout_s",
-                     "long_section_timeout_s"):
-            require_number(getattr(self, name), f"hang.{name}", above=0, high=MAX_SECONDS)
-        require_number(self.safety_factor, "hang.safety_factor", above=0, high=MAX_SAFETY_FACTOR)
-        require_int(self.min_observations, "hang.min_observations", low=1, high=MAX_COUNT)
-        self.collective_sections = require_strs(self.collective_sections, "hang.collective_sections",
-                                                choices=SECTIONS)
-
-    @property
-    def longest_timeout_s(self) -> float:
-        """The longest timeout this configuration grants any section; a computed one never exceeds it."""
-        return max(self.idle_timeout_s, self.busy_timeout_s, self.startup_timeout_s, self.long_section_timeout_s,
-                   *self.timeouts_s.values())
-
-
-class Evidence(str, Enum):
-    """Why a rank past its timeout is taken for hung (see the module's doc)."""
-
-    STOPPED = "stopped"  # its process is stopped (SIGSTOP, a debugger)
-    IDLE = "idle"  # its processes used no CPU
-    BUSY = "busy"  # it computed, and made no progress
-    WAITING = "waiting"  # in a collective, with no local peer to blame
-    TIMEOUT = "timeout"  # a fixed timeout (``timeouts_s``), start-up, or a section outside steps
-
-
-@dataclass(frozen=True, kw_only=True)
-class Hang:
-    """A rank past its timeout. ``waiting_on`` lists local ranks outside a collective
-    while this one waits in one: those are the likely culprits, and killing them
-    first unblocks this rank. ``for_s`` is how long the evidence held (stopped
-    for, idle for, or without progress), compared with ``timeout_s``."""
-
-    rank: int
-    pid: int | None  # None before the rank created its slot
-    section: str
-    step: int
-    since_progress_s: float
-    timeout_s: float
-    evidence: str = Evidence.TIMEOUT.value
-    for_s: float = 0.0
-    waiting_on: tuple[int, ...] = ()
-
-    @property
-    def stopped(self) -> bool:
-        """The process is stopped (SIGSTOP): it is hung whatever it waits for."""
-        return self.evidence == Evidence.STOPPED.value
-
-    @property
-    def blocked_by_peer(self) -> bool:
-        return bool(self.waiting_on)
-
-    def describe(self) -> str:
-        """Why, in words (the agent's kill line)."""
-        where = f"in {self.section}" + (f" at step {self.step}" if self.step >= 0 else "")
-        what = {
-            Evidence.STOPPED.value: "stopped (SIGSTOP or a debugger) for",
-            Evidence.IDLE.value: "no progress and no CPU used for",
-            Evidence.BUSY.value: "computing with no progress for",
-            Evidence.WAITING.value: "waiting on other nodes with no progress for",
-        }.get(self.evidence, "no progress for")
-        return f"hung {where}: {what} {self.for_s:.1f} s (timeout {self.timeout_s:.1f} s)"
 
 
 class HangDetector:
@@ -429,25 +340,3 @@ def _known_sections(state: dict[str, Any], name: str) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError(f"hang.{name} must be a mapping of section to a number, got {kind(values)}")
     return {s: v for s, v in values.items() if s in SECTIONS}
-
-
-def ranks_to_kill(hangs: list[Hang], collective_sections: Iterable[str]) -> list[int]:
-    """The hung ranks to kill: never one merely waiting on a local peer, and,
-    when every hung rank waits in a collective, only the stopped ones, else
-    only the ones behind.
-
-    A rank that stopped just after an all-reduce still shows that all-reduce,
-    one step behind its peers waiting in the next one. Killing them all would
-    leave no rank holding a snapshot to resume from. A rank stopped inside
-    the collective shows the same section and step as the peers it blocks.
-    """
-    kill = [h for h in hangs if not h.blocked_by_peer]
-    collective = set(collective_sections)
-    if len(kill) > 1 and all(h.section in collective for h in kill):
-        stopped = [h for h in kill if h.stopped]
-        if stopped:
-            kill = stopped
-        else:
-            lowest = min(h.step for h in kill)
-            kill = [h for h in kill if h.step == lowest]
-    return sorted(h.rank for h in kill)

@@ -23,7 +23,9 @@ from typing import Any, Iterable
 from resilient_train.base.configfile import kind, load_config_file, require_bool, require_int, require_str
 from resilient_train.base.configtree import build
 from monitors.events import EventLog
-from monitors.hang import Hang, HangConfig, HangDetector, ranks_to_kill
+from monitors.hang import HangDetector
+from monitors.hangconfig import HangConfig
+from monitors.hangverdict import Hang, ranks_to_kill
 from monitors.jobwide import JobWideBest
 from monitors.metrics import MetricsSink, PrometheusSink, Sample, TensorBoardSink
 from monitors.persist import read_json_file, write_json_atomic

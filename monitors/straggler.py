@@ -29,7 +29,7 @@ from resilient_train.base.configfile import (
 )
 from monitors.control import read_control
 from monitors.jobwide import JobWideBest
-from monitors.progress import ProgressReader
+from monitors.progressreader import ProgressReader
 from monitors.sections import COMPUTE_SECTIONS, SECTIONS
 
 __all__ = ["RankScore", "StragglerConfig", "StragglerDecision", "StragglerDetector", "StragglerReport"]

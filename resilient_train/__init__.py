@@ -56,7 +56,7 @@ _LAZY = {
     "CuptiConfig": "monitors.cupti_kernels",
     "DashboardConfig": "monitors.dashboard.server",
     "GenerationFailed": "resilient_train.rank.errors",
-    "HangConfig": "monitors.hang",
+    "HangConfig": "monitors.hangconfig",
     "InFlightPolicy": "checkpointing",
     "MeshSpec": "resilient_train.rank.mesh",
     "MetricsConfig": "monitors",
@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     from monitors import MetricsConfig, MonitorConfig
     from monitors.cupti_kernels import CuptiConfig
     from monitors.dashboard.server import DashboardConfig
-    from monitors.hang import HangConfig
+    from monitors.hangconfig import HangConfig
     from monitors.straggler import StragglerConfig
     from resilient_train.protocol.env import WorkerEnv
     from resilient_train.rank.rerun import OnGenuine, RerunConfig, RerunMode

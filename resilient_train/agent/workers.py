@@ -57,7 +57,7 @@ class Worker:
 
 def kill_reason(cause: dict) -> str:
     if cause["kind"] == "hang":
-        return str(cause["reason"])  # monitors.hang.Hang.describe: the evidence, how long it held, the timeout
+        return str(cause["reason"])  # monitors.hangverdict.Hang.describe: the evidence, how long it held, the timeout
     return "a straggler (straggler policy: replace)"
 
 

@@ -83,7 +83,7 @@ def _number_cases() -> list[tuple[str, tuple[str, ...], str]]:
     field gets its rows here without anyone writing them."""
     from chaos.scenario import Invariants, JobSpec
     from chaos.schedule import PlannedFault, RandomSchedule
-    from monitors.hang import HangConfig
+    from monitors.hangconfig import HangConfig
     from monitors.node import MetricsConfig
     from monitors.straggler import StragglerConfig
 

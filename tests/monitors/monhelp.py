@@ -11,7 +11,7 @@ from typing import Callable, Sequence, TypeVar
 
 import pytest
 
-from monitors.progress import ProgressReader
+from monitors.progressreader import ProgressReader
 
 T = TypeVar("T")
 CTX = mp.get_context("spawn")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from monitors.progress import ProgressReader, ProgressReporter
+from monitors.progress import ProgressReporter
+from monitors.progressreader import ProgressReader
 from monitors.straggler import StragglerConfig, StragglerDetector
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine")

@@ -15,8 +15,11 @@ import pytest
 from monhelp import CTX, Procs, wait_for, wait_step
 from monitor_workers import gloo_rank, train_loop
 
-from monitors.hang import IMPOSSIBLE_READS_BEFORE_JUDGING, Evidence, Hang, HangConfig, HangDetector
-from monitors.progress import ProgressReader, ProgressReporter
+from monitors.hang import IMPOSSIBLE_READS_BEFORE_JUDGING, HangDetector
+from monitors.hangverdict import Evidence, Hang
+from monitors.hangconfig import HangConfig
+from monitors.progress import ProgressReporter
+from monitors.progressreader import ProgressReader
 from monitors.stacks import is_stopped
 
 TIMEOUT = 1.0
@@ -190,7 +193,7 @@ def test_startup_window_and_reset_after_respawn(tmp_path, procs: Procs) -> None:
 
 
 def _hang(rank: int, section: str, step: int, waiting_on: tuple[int, ...] = (), evidence: str = "waiting") -> "Hang":
-    from monitors.hang import Hang
+    from monitors.hangverdict import Hang
 
     return Hang(rank=rank, pid=1000 + rank, section=section, step=step, since_progress_s=5.0, timeout_s=3.0,
                 waiting_on=waiting_on, evidence=evidence)
@@ -198,7 +201,7 @@ def _hang(rank: int, section: str, step: int, waiting_on: tuple[int, ...] = (), 
 
 @pytest.mark.timeout(10)
 def test_the_rank_behind_in_a_collective_is_killed_not_its_waiting_peers():
-    from monitors.hang import ranks_to_kill
+    from monitors.hangverdict import ranks_to_kill
 
     collective = ("all-reduce",)
     # Rank 2 stopped right after step 7's all-reduce; ranks 0, 1, 3 wait in step 8's.
@@ -276,7 +279,7 @@ def test_ranks_waiting_in_recovery_are_not_killed_for_a_peer_stuck_in_an_old_col
     Rank 2 is the one to kill (nothing will come to its collective: it is judged as a culprit, by its own
     evidence); the two in recovery wait for it.
     """
-    from monitors.hang import ranks_to_kill
+    from monitors.hangverdict import ranks_to_kill
 
     run = str(tmp_path)
     writers = [ProgressReporter(run, r) for r in range(3)]
@@ -308,7 +311,7 @@ def test_a_rank_training_is_not_killed_while_a_peer_still_restores_into_its_gene
     """Rank 1 still heals (or rebuilds its DDP) in generation 1 while rank 0 already waits in generation 1's
     all-reduce: rank 0 waits on rank 1, which has the recovery timeout. (Seen: the survivor blocked in its
     on_new_group and the two others killed as hung in all-reduce, 3 s later.)"""
-    from monitors.hang import ranks_to_kill
+    from monitors.hangverdict import ranks_to_kill
 
     run = str(tmp_path)
     writers = [ProgressReporter(run, r) for r in range(2)]
@@ -387,7 +390,7 @@ def test_every_completed_section_is_an_observation_first_steps_of_a_generation_i
 def test_a_rank_stopped_inside_a_collective_is_the_one_killed(tmp_path, procs: Procs) -> None:
     """Rank 1 stops (SIGSTOP) inside step 3's all-reduce, then ranks 0 and 2 enter it: all three show the
     same collective; only the stopped process is killed."""
-    from monitors.hang import ranks_to_kill
+    from monitors.hangverdict import ranks_to_kill
 
     run = str(tmp_path)
     p = procs.start(train_loop, run, 1, {"hang_at": 3, "hang": "self-stop", "hang_section": "all-reduce"})

@@ -14,7 +14,8 @@ from monitors.cli import status_main
 from monitors.events import EventLog, read_events
 from monitors.metrics import PrometheusSink, Sample, TensorBoardSink, render_prometheus
 from monitors.node import MetricsConfig, MonitorConfig, NodeMonitor
-from monitors.progress import ProgressReader, ProgressReporter
+from monitors.progress import ProgressReporter
+from monitors.progressreader import ProgressReader
 from monitors.straggler import StragglerConfig
 
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
@@ -162,7 +163,7 @@ def test_a_slot_read_while_its_writer_races_is_always_consistent(tmp_path, procs
     """The seqlock: every snapshot a reader accepts is one the writer published whole."""
     from monitor_workers import hammer_slot
 
-    from monitors.progress import ProgressReader
+    from monitors.progressreader import ProgressReader
 
     started, stop = CTX.Event(), CTX.Event()
     procs.start(hammer_slot, str(tmp_path), started, stop)

@@ -180,7 +180,8 @@ def test_a_checkpoint_forged_to_switch_hang_detection_off_is_refused(tmp_path: P
     assert job.returncode == 0, job.stderr[-3000:]
     assert not job.of("monitor_state_loaded")
     [ignored] = job.of("monitor_state_ignored")
-    from monitors.hang import OBSERVED_SLACK, HangConfig
+    from monitors.hang import OBSERVED_SLACK
+    from monitors.hangconfig import HangConfig
     high = OBSERVED_SLACK * HangConfig(idle_timeout_s=5.0).longest_timeout_s  # the busy floor's, 30 min: 3600
     assert f"must be in [0, {high:g}], got 1e+308" in ignored["reason"], ignored
     said = [line for line in job.stderr.splitlines() if "hang timeouts are ignored" in line]

@@ -24,7 +24,7 @@ import pytest
 
 from jobs import REPO, Job, ckpt_diff, run_script, survivors_kept_pids, wait_for_event
 
-from monitors.progress import ProgressReader
+from monitors.progressreader import ProgressReader
 
 SCRIPT = Path(__file__).resolve().parent / "user_ddp_script.py"
 STEPS, AT = 14, 6
