@@ -20,7 +20,7 @@ incarnation that reads it leaves (resilient_train.rank.fence), and the node's ne
 agent starts its ranks once they acknowledged (``NodeKeys.fenced``).
 
 Node 0's loss takes the store with it: every other agent sees its store calls
-fail (or run past their deadline, resilient_train.agent.boundedstore), says
+fail (or run past their deadline, resilient_train.protocol.succession.movable), says
 so, and exits 94, fenced: from a node, node 0's loss and its own link cut look
 the same (start the job again: it resumes from its newest checkpoint).
 """
