@@ -13,7 +13,8 @@ The layers, lowest first (``LAYERS`` says what each may import besides itself):
 - the lower packages, in order: ``monitors``, ``checkpointing``, ``chaos``; of the runtime they import
   ``resilient_train.base`` only;
 - ``resilient_train.protocol``: what both sides speak (the store and its keys, the workers' environment, nodes,
-  shutdown, the job's secret, a generation's members, the store's succession);
+  shutdown, the job's secret, a generation's members, the store's succession); of the project it imports the
+  base only (it stands beside the lower packages, not on them);
 - the two sides, which never import each other: ``resilient_train.rank`` (the Supervisor's lifecycle, inside
   each rank) and ``resilient_train.agent`` (the node agent and its helpers);
 - the top: ``resilient_train``'s own modules (the CLI, ``run``'s flags, the run config, the demo) and
@@ -41,7 +42,7 @@ LAYERS: dict[str, set[str]] = {  # what each layer may import besides itself; "t
     "monitors": {"base"},
     "checkpointing": {"base", "monitors"},
     "chaos": {"base", "monitors", "checkpointing"},
-    "protocol": {"base", *LOWER, "api"},
+    "protocol": {"base"},
     "rank": {"base", *LOWER, "protocol", "api"},
     "agent": {"base", *LOWER, "protocol", "api"},
 }
