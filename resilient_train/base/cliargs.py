@@ -11,8 +11,8 @@ converters check a flag's value while it is parsed, so nothing starts with a
 * :func:`port`: an int in [0, 65535];
 * :func:`host`: a name or address the resolver knows (``999.1.1.1`` is not).
 
-Used by ``resilient_train``, ``checkpointing`` and ``chaos`` alike (they all
-build on ``monitors``).
+Used by ``resilient_train``, ``checkpointing``, ``monitors`` and ``chaos`` alike (they
+all build on ``resilient_train.base``).
 """
 
 from __future__ import annotations

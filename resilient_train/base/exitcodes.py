@@ -1,7 +1,7 @@
 """Exit codes of ranks and of the agent, in one table: every package reads them here.
 
-(``monitors`` is the lowest layer: ``checkpointing``, ``chaos`` and ``resilient_train`` import it,
-so a code is written once; ``resilient_train.base.exitcodes`` is the same table.)
+(``resilient_train.base`` is the lowest layer: ``monitors``, ``checkpointing``, ``chaos`` and the
+runtime import it, so a code is written once.)
 
 =====  ======================================================================
 code   meaning
