@@ -10,6 +10,8 @@ agent and its ranks SIGKILLed (its host dies) once step ``--kill-step`` is done:
 * spare0: the same, but node 0 is lost, whose agent hosts the store (issue 33):
   the store moves to node 1's standby store (node 1 and the spare: 2 of the 3
   agents) and the spare takes node 0 over;
+* shrink: no spare, an elastic job (``--nnodes 1:2``, issue 32): node 0's ranks take node 1's logical ranks
+  over at once, without a process start, and the job goes on at half the width;
 * restart: what a torchrun job does: every node's agent is stopped and started
   again at once (an instant scheduler), and the job resumes from the newest
   checkpoint, saved synchronously every ``--ckpt-every`` steps.
@@ -22,6 +24,7 @@ average is printed beside the figures.
     python bench/node_loss.py --repeats 3              # 2 nodes x 2 ranks
     python bench/node_loss.py --repeats 3 --modes spare
     python bench/node_loss.py --repeats 3 --modes spare,spare0,restart --nproc 1
+    python bench/node_loss.py --repeats 3 --modes shrink,spare,restart --nproc 1
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL = ["--d-model", "64", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4", "--log-every", "0"]
 
 
-def _agent(run: Path, port: int, args: argparse.Namespace, *, node: int | None, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "resilient_train.cli", "run", "--nnodes", "2", "--nproc-per-node", str(args.nproc),
+def _agent(run: Path, port: int, args: argparse.Namespace, *, node: int | None, extra: list[str],
+           nnodes: str = "2") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "resilient_train.cli", "run", "--nnodes", nnodes, "--nproc-per-node", str(args.nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", "bench", "--run-dir", str(run),
            "--node-timeout", str(args.node_timeout)]
     cmd += ["--spare"] if node is None else ["--node-rank", str(node)]
@@ -80,7 +84,8 @@ def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float,
     run, port = work / f"{mode}-{n}", free_port()
     # The baseline's checkpoints are synchronous: an async save still in flight would skip the next ones.
     extra = ["--ckpt-every", str(args.ckpt_every), "--ckpt-mode", "disabled"] if mode == "restart" else []
-    agents = [_agent(run, port, args, node=0, extra=extra), _agent(run, port, args, node=1, extra=extra)]
+    nnodes = "1:2" if mode == "shrink" else "2"
+    agents = [_agent(run, port, args, node=r, extra=extra, nnodes=nnodes) for r in (0, 1)]
     if mode in ("spare", "spare0"):
         agents.append(_agent(run, port, args, node=None, extra=extra))
     try:
@@ -106,7 +111,7 @@ def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float,
         spawned = [e for e in since if e["event"] == "worker_spawned" and e.get("replacement")]
         started = [e["since_spawn_s"] for e in since if e["event"] == "run_start" and e.get("replacement")]
         how = (f"{sum(bool(e.get('warm')) for e in spawned)} of {len(spawned)} warm, script after "
-               + ", ".join(f"{t:.2f}" for t in sorted(started)) + " s") if mode != "restart" else ""
+               + ", ".join(f"{t:.2f}" for t in sorted(started)) + " s") if mode in ("spare", "spare0") else ""
         return nxt["time"] - killed, redone, how
     finally:
         for p in agents:
@@ -117,16 +122,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
-    p.add_argument("--modes", default="spare,restart", help="which recoveries to run: spare, spare0, restart")
+    p.add_argument("--modes", default="spare,restart", help="which recoveries to run: spare, spare0, shrink, restart")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-step", type=int, default=25)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--node-timeout", type=float, default=2.0)
     p.add_argument("--timeout", type=float, default=240.0)
     args = p.parse_args()
-    modes = [m for m in ("spare", "spare0", "restart") if m in args.modes.split(",")]
+    modes = [m for m in ("spare", "spare0", "shrink", "restart") if m in args.modes.split(",")]
     if not modes:
-        p.error("--modes: any of spare, spare0, restart, comma-separated")
+        p.error("--modes: any of spare, spare0, shrink, restart, comma-separated")
     results: dict[str, list[tuple[float, int, str]]] = {m: [] for m in modes}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="rt-nodeloss-") as tmp:
@@ -142,13 +147,14 @@ def main() -> None:
     med = {}
     labels = {"spare": f"spare node, heal from live replicas (node timeout {args.node_timeout:g} s)",
               "spare0": "node 0 lost: the store moves to node 1, the spare takes node 0, heal from live replicas",
+              "shrink": "no spare, elastic (--nnodes 1:2): node 0 computes node 1's logical ranks too",
               "restart": f"restart every node from the newest checkpoint (every {args.ckpt_every})"}
     for mode in modes:
         ts = [t for t, _, _ in results[mode]]
         med[mode] = statistics.median(ts)
         print(f"| {labels[mode]} | {med[mode]:.2f} ({', '.join(f'{t:.2f}' for t in ts)}) | "
               f"{max(r for _, r, _ in results[mode])} |")
-    for mode in ("spare", "spare0"):
+    for mode in ("spare", "spare0", "shrink"):
         if mode in med and "restart" in med:
             print(f"| ratio {mode} / restart | {med[mode] / med['restart']:.2f}× | |")
     if "spare" in med and "spare0" in med:

@@ -26,7 +26,8 @@ def _faults(nproc: int) -> list[dict]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("nproc", [3, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+# 2 ranks: test_recovery.py and test_user_ddp.py kill both of them; 3 and 4 are the layouts gloo cuts differently.
+@pytest.mark.parametrize("nproc", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_ddp_through_kills_at_every_phase_is_bitwise(tmp_path, references, nproc):
     faults = _faults(nproc)
     job = run_ddp(tmp_path / "run", nproc=nproc, steps=STEPS, faults=faults, timeout=400,
