@@ -101,9 +101,6 @@ def test_node_0_killed_whole_the_store_moves_the_spare_takes_its_rank_and_the_ru
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.xfail(strict=False, reason="open bug (stop 37's note): node 0's agent stopped while its rank trains on; "
-                   "after the move the survivors found no recoverable step (JoinError) in a run long enough to "
-                   "outlast the move; in 80- and 300-step runs the job ended before the move")
 def test_node_0s_agent_stopped_past_the_node_timeout_is_fenced_when_it_runs_again(cluster, references):
     """Node 0's agent alone is stopped (SIGSTOP: the store lives in it; its rank runs on) for longer than the
     others' store calls wait: they move on without it. Continued, it finds itself in a minority (every other
