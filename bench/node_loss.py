@@ -105,7 +105,7 @@ def one(mode: str, work: Path, n: int, args: argparse.Namespace) -> tuple[float,
         else:
             recs = [e for e in events(run) if e["event"] == "recovery_done" and e["time"] > killed]
             redone = max((e.get("steps_redone", 0) for e in recs), default=0)
-        for p in (agents[1:] if mode == "spare0" else agents):
+        for p in agents:  # the killed one was reaped by _kill
             p.wait(timeout=args.timeout)
         since = [e for e in events(run) if e["time"] > killed]
         spawned = [e for e in since if e["event"] == "worker_spawned" and e.get("replacement")]

@@ -5,9 +5,9 @@ looks are :data:`PAUSE_S` or more apart, the agent did not run meanwhile: the
 whole job was stopped and continued (Ctrl-Z then ``fg``, ``scontrol
 suspend``/``resume``, SIGSTOP to the process group), or its host froze (a VM
 migrated). The ranks were stopped with it, or ran unwatched; either way the
-time is no evidence against them: the hang detector and the node watch start
-their clocks again (monitors.hang ``HangDetector.paused``,
-resilient_train.protocol.nodes ``NodeWatch.excuse``).
+time is no evidence against them: the hang detector and the store host's
+census of the agents' beats start their clocks again (monitors.hang
+``HangDetector.paused``, resilient_train.protocol.succession.census ``Census.excuse``).
 """
 
 from __future__ import annotations

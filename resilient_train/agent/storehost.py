@@ -98,7 +98,8 @@ class StoreHost:
     def moved(self, endpoint: Endpoint, *, hosting: bool) -> None:
         """The store moved to ``endpoint`` (this agent's own standby store when ``hosting``)."""
         assert self.location is not None
-        self.location.move(endpoint)
+        moved = self.location.move(endpoint)
+        assert moved, (endpoint, self.location.endpoint)  # an agent's moves go one way, one at a time
         self.hosting = hosting
 
     def connect(self) -> dist.Store:

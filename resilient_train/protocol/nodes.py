@@ -2,39 +2,38 @@
 
 One agent runs per node (``--nnodes N --node-rank R``); node 0's hosts the
 store. Every agent keeps a beat in the store (``node/R/beat``, a counter it
-bumps about once a second) under the incarnation it registered with. Each
-agent watches the beats of the next ``WATCHED`` nodes on the ring (R+1, R+2,
-... mod N) with its own clock (no clock agreement is needed), so the job's
-beat traffic grows with the number of nodes, not its square: a node whose
-beat has not moved for ``node_timeout_s`` is lost. The first of its watchers
-to claim the loss of that incarnation (``compare_set``) declares
-the generation failed (its ranks' peers are already recovering) and hands the
-node to a waiting spare agent (``--spare``), which becomes node R and starts R's
-ranks as replacements; they heal from live replicas like any replacement.
-With no spare, the lost node's own agent may come back (a scheduler restarting
-it): it registers a new incarnation and starts its ranks as replacements.
-Otherwise the survivors' join times out and the job stops with the reason.
+bumps about twice a second, and its succession entry's beat) under the
+incarnation it registered with. The store's host counts the beats
+(resilient_train.protocol.succession.census) with its own clock (no clock agreement is
+needed): an agent whose beat has not moved for ``node_timeout_s`` is lost,
+unless the agents still beating are no majority of the last generation's
+(then the host is the one cut off, and fences itself). The host claims the
+loss of that incarnation (``compare_set``), declares the generation failed
+(its ranks' peers are already recovering) and hands the node to a waiting
+spare agent (``--spare``), which becomes node R and starts R's ranks as
+replacements; they heal from live replicas like any replacement. With no
+spare, the lost node's own agent may come back (a scheduler restarting it):
+it registers a new incarnation and starts its ranks as replacements; an
+elastic job (``--nnodes MIN:MAX``) shrinks instead of waiting for it.
 
 The claim (``NodeKeys.lost``) is also the node's fence: a rank of that
 incarnation that reads it leaves (resilient_train.rank.fence), and the node's next
 agent starts its ranks once they acknowledged (``NodeKeys.fenced``).
 
-Node 0's loss takes the store with it: every other agent sees its store calls
-fail (or run past their deadline, resilient_train.protocol.succession.movable), says
-so, and exits 94, fenced: from a node, node 0's loss and its own link cut look
-the same (start the job again: it resumes from its newest checkpoint).
+Node 0's loss is a node's loss: the store moves to the first successor alive
+with a majority of the last generation's agents (resilient_train.protocol.succession,
+resilient_train.agent.succession), whose census then claims node 0.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["FENCE_WAIT_S", "Heartbeat", "NodeKeys", "NodeWatch", "assign_spare", "claim_loss", "register_node", "register_spare", "wait_for_assignment"]
+__all__ = ["FENCE_WAIT_S", "Heartbeat", "NodeKeys", "assign_spare", "claim_loss", "register_node", "register_spare", "wait_for_assignment"]
 
 FENCE_WAIT_S = 5.0  # at most, for the ranks of a lost incarnation to acknowledge (capped by --node-timeout)
 
@@ -105,56 +104,6 @@ def assign_spare(store: dist.Store, node: int) -> int | None:
         if store.compare_set(NodeKeys.spare(i), "", str(node)).decode() == str(node):
             return i
     return None
-
-
-@dataclass
-class _Seen:
-    incarnation: int
-    beat: int
-    changed_at: float  # this agent's monotonic clock
-
-
-WATCHED = 3  # nodes each agent watches: a loss goes unseen only if its 3 watchers are lost with it
-
-
-@dataclass
-class NodeWatch:
-    """One agent's view of the beats of the next :data:`WATCHED` nodes on the ring."""
-
-    store: dist.Store
-    me: int
-    nnodes: int
-    node_timeout_s: float
-    interval_s: float = 1.0
-    _last_beat: float = 0.0
-    _seen: dict[int, _Seen] = field(default_factory=dict)
-
-    def watched(self) -> list[int]:
-        return [(self.me + i) % self.nnodes for i in range(1, min(WATCHED, self.nnodes - 1) + 1)]
-
-    def excuse(self, now: float) -> None:
-        """The watcher did not run until ``now`` (its own pause): every beat counts as seen then."""
-        for node, seen in self._seen.items():
-            self._seen[node] = _Seen(seen.incarnation, seen.beat, max(seen.changed_at, now))
-
-    def poll(self, now: float | None = None) -> list[tuple[int, int]]:
-        """The lost ``(node, incarnation)`` pairs (looked at about once a second)."""
-        now = time.monotonic() if now is None else now
-        if now - self._last_beat < self.interval_s:
-            return []
-        self._last_beat = now
-        lost = []
-        for node in self.watched():
-            incarnation = int(self.store.add(NodeKeys.incarnation(node), 0))
-            if incarnation == 0:
-                continue  # not started yet: its agent may still come up
-            beat = int(self.store.add(NodeKeys.beat(node, incarnation), 0))
-            seen = self._seen.get(node)
-            if seen is None or seen.incarnation != incarnation or seen.beat != beat:
-                self._seen[node] = _Seen(incarnation, beat, now)
-            elif now - seen.changed_at > self.node_timeout_s:
-                lost.append((node, incarnation))
-        return lost
 
 
 class Heartbeat:

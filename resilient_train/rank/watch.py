@@ -10,6 +10,11 @@ fault moved the run there, and a stop failed that join before waking anyone,
 so the rank asks the store nothing more either way. A job of N ranks puts no
 load on the store while nothing fails, and one round trip per rank when
 something does.
+
+Under an agent of a many-node job it also follows the agent to the store's
+next host (resilient_train.rank.storefollow.MoveNotice): the generation it
+watches is gone with the old store, which is marked as a wake would, with
+no next generation to join but the new store's current one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.distributed as dist
 
 from resilient_train.rank.fence import check_fence
 from resilient_train.protocol.store import Keys
+from resilient_train.rank.storefollow import MoveNotice
 
 __all__ = ["GenerationWatcher"]
 
@@ -59,6 +65,7 @@ class GenerationWatcher:
         self._waiting: int | None = None  # the generation whose wake key the thread waits on
         self._thread = threading.Thread(target=self._loop, name=f"rt-watch-rank{rank}", daemon=True)
         self._thread.start()
+        self._notice = MoveNotice.for_store(store, rank=rank, on_move=self._store_moved)
 
     def watch(self, generation: int) -> None:
         """Starts watching a newly joined generation.
@@ -85,6 +92,8 @@ class GenerationWatcher:
         return self.handled.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
+        if self._notice is not None:
+            self._notice.close()
         with self._lock:
             self._stop.set()
             waiting = self._waiting
@@ -92,6 +101,19 @@ class GenerationWatcher:
         if waiting is not None:
             self._kick(waiting, "closed")
         self._thread.join(timeout)
+
+    def _store_moved(self) -> None:
+        """The notice's thread: the store moved (every connection follows it); the watched generation, which
+        lived in the old store, is over: the rank joins the new store's current one (no next generation)."""
+        with self._lock:
+            if self.generation < 0 or self.moved.is_set():
+                return
+            self.next_generation = None
+            self.moved.set()
+        try:
+            self._on_moved()
+        finally:
+            self.handled.set()
 
     def _kick(self, generation: int, why: str) -> None:
         """Ends the thread's wait on ``generation``'s key, a key the thread treats as spent (nothing moved)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
+from cluster.netns import Network, unavailable
 from slurmcluster import SlurmCluster, SlurmUnavailable, unavailable_reason
 
 
@@ -21,3 +22,21 @@ def slurm() -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def network():
+    """Nodes with addresses of their own (cluster.netns): ``network(n)`` makes n; each is closed at the end,
+    every process of every node first (a test that failed leaves its agents running)."""
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    made: list[Network] = []
+
+    def make(nodes: int) -> Network:
+        made.append(Network(nodes))
+        return made[-1]
+
+    yield make
+    for net in made:
+        net.close()

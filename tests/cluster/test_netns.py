@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.netns import ETC_NETNS, Network, Node, _netns_pids, alive, unavailable
+from cluster.netns import ETC_NETNS, Network, Node, _netns_pids, alive
 from jobs import REPO
 
 # A node's TCP listener: accepts and closes connections until killed; says "ready" once it listens.
@@ -20,22 +20,6 @@ LISTEN = ("import socket, sys\n"
           "print('ready', flush=True)\n"
           "while True:\n"
           "    s.accept()[0].close()\n")
-
-
-@pytest.fixture
-def network():
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    made: list[Network] = []
-
-    def make(nodes: int) -> Network:
-        made.append(Network(nodes))
-        return made[-1]
-
-    yield make
-    for net in made:
-        net.close()
 
 
 def _listen(node: Node) -> subprocess.Popen:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.netns import Network, alive, unavailable
+from cluster.netns import alive
 from cluster.nsjob import NetCluster, RankCensus
 from jobs import ckpt_diff, console_lines
 
@@ -18,22 +18,6 @@ COLD = ["--no-spare"]  # a node that will lose no rank keeps no warm interpreter
 # Rank 1's main thread blocks in step 12 (its other threads run; fired once per run: its replacement goes on),
 # so that the job waits there for the test's fault, whatever the machine's speed.
 BLOCK = [{"kind": "block", "rank": 1, "step": 12, "phase": "forward"}]
-
-
-@pytest.fixture
-def network():
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    made: list[Network] = []
-
-    def make(nodes: int) -> Network:
-        made.append(Network(nodes))
-        return made[-1]
-
-    yield make
-    for net in made:
-        net.close()  # every process of every node first (a test that failed leaves its agents running)
 
 
 @pytest.mark.timeout(300)

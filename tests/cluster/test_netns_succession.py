@@ -12,28 +12,11 @@ import time
 
 import pytest
 
-from cluster.netns import Network, unavailable
 from cluster.nsjob import NetCluster, RankCensus
 from jobs import ckpt_diff, console_lines, run_gpt
 
 STEPS = 40
 COLD = ["--no-spare"]  # ranks that will not be replaced keep no warm interpreter (a torch import each)
-
-
-@pytest.fixture
-def network():
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    made: list[Network] = []
-
-    def make(nodes: int) -> Network:
-        made.append(Network(nodes))
-        return made[-1]
-
-    yield make
-    for net in made:
-        net.close()
 
 
 def _quiet_after(events: list[dict], sources: set[str], since: float, until: float) -> list[dict]:

@@ -21,6 +21,7 @@ from elastic_job import ElasticJob, step_at_least
 from jobs import REPO, ckpt_diff, console_lines, run_gpt
 
 STEPS = 80
+LONG = 1500  # steps: the ranks train on while the store moves (some 45 steps a second, the move 6 s or more)
 FIXED = ["--rdzv-conf", "last_call_timeout=1"]
 
 
@@ -103,8 +104,9 @@ def test_node_0_killed_whole_the_store_moves_the_spare_takes_its_rank_and_the_ru
 def test_node_0s_agent_stopped_past_the_node_timeout_is_fenced_when_it_runs_again(cluster, references):
     """Node 0's agent alone is stopped (SIGSTOP: the store lives in it; its rank runs on) for longer than the
     others' store calls wait: they move on without it. Continued, it finds itself in a minority (every other
-    agent's beat gone from its store) and exits 94 with its rank; its rank did nothing after the move."""
-    job = cluster(nodes="3", agent_args=FIXED)
+    agent's beat gone from its store) and exits 94 with its rank; its rank did nothing after the move. The run
+    is long: the ranks train on while node 0's agent is stopped (80 and then 300 steps ended before the move)."""
+    job = cluster(nodes="3", agent_args=FIXED, steps=LONG)
     for n in range(3):
         job.start(f"node{n}", n)
     job.start("spare", None)
@@ -130,7 +132,7 @@ def test_node_0s_agent_stopped_past_the_node_timeout_is_fenced_when_it_runs_agai
     assert not [e for e in events if e["source"] == "rank0" and moved["time"] < e["time"] < new_start["time"]]
     [end] = [e for e in events if e["event"] == "agent_end" and e["source"] == "agent0"]
     assert (end["reason"], end["exit_code"]) == ("fenced", 94)
-    d = ckpt_diff(references.get(3, STEPS), job.run_dir / "final")
+    d = ckpt_diff(references.get(3, LONG), job.run_dir / "final")
     assert d.returncode == 0, d.stdout + d.stderr
 
 

@@ -149,3 +149,49 @@ def test_an_agent_announces_a_move_to_its_ranks(tmp_path):
 def test_the_majority_rule_never_lets_two_disjoint_sides_both_form(voters, present, host, expected):
     assert majority(voters, present, host) is expected
     assert not (majority(voters, present, host) and majority(voters, voters - present, host))
+
+
+def test_a_rank_follows_its_agents_move_while_the_old_host_is_stopped_and_its_generation_ends(tmp_path, monkeypatch):
+    """The old host is stopped, not dead: nothing of the rank's fails. Its agent's announcement alone moves every
+    connection of the process and ends the generation it watched (no next generation: the new store's)."""
+    from resilient_train.protocol.store import Keys
+    from resilient_train.rank.watch import GenerationWatcher
+
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import sys,time,torch.distributed as d\n"
+        "s=d.TCPStore('127.0.0.1',0,is_master=True,wait_for_workers=False,use_libuv=False)\n"
+        "print(s.port,flush=True)\ntime.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    path = tmp_path / ".store" / "agent.json"
+    monkeypatch.setenv("RT_STORE_FILE", str(path))
+    try:
+        port = int(host.stdout.readline())
+        location = StoreLocation(Endpoint("127.0.0.1", port, 0), wrap=lambda raw: raw,
+                                 timeout=timedelta(seconds=30), call_timeout_s=30.0)  # no call's deadline helps
+        store = MovableStore(location)
+        announce(path, location.endpoint)  # the agent's file from the start: epoch 0 moves nothing
+        store.set("a", "1")
+        moved_calls: list[bool] = []
+        watcher = GenerationWatcher(store, rank=2, interval_s=0.1, on_moved=lambda: moved_calls.append(True))
+        watcher.watch(3)
+        os.kill(host.pid, signal.SIGSTOP)
+        time.sleep(0.5)  # several looks at the file: nothing moved
+        assert not watcher.moved.is_set() and location.epoch == 0
+        successor = _server()
+        announce(path, Endpoint("127.0.0.1", successor.port, 1))
+        assert watcher.moved.wait(5), "the generation of the old store did not end"
+        assert watcher.next_generation is None  # the new store's current generation, whichever it is
+        assert watcher.wait_handled(5) and moved_calls == [True]
+        assert location.epoch == 1
+        assert successor.get(Keys.supervised(2)) == str(os.getpid()).encode()  # supervised there again
+        store.set("b", "2")  # the main connection follows too
+        assert successor.get("b") == b"2"
+        watcher.watch(7)  # the next generation is watched on the new store
+        successor.set(Keys.wake(7, 2), "x")
+        deadline = time.monotonic() + 5
+        while not watcher.moved.is_set() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert watcher.moved.is_set() and watcher.next_generation == 8
+        watcher.close()
+    finally:
+        host.kill()
+        host.wait()

@@ -86,12 +86,16 @@ class StoreLocation:
     def epoch(self) -> int:
         return self.endpoint.epoch
 
-    def move(self, endpoint: Endpoint) -> None:
-        """The store is at ``endpoint`` now (a later epoch): every connection follows at its next call."""
+    def move(self, endpoint: Endpoint) -> bool:
+        """The store is at ``endpoint`` now: every connection follows at its next call. An endpoint of an epoch
+        no later than the current one changes nothing (False): a rank's two threads may follow one announcement
+        (resilient_train.succession.follow)."""
         with self._lock:
-            assert endpoint.epoch > self._endpoint.epoch, (endpoint, self._endpoint)
+            if endpoint.epoch <= self._endpoint.epoch:
+                return False
             self._endpoint = endpoint
             self.moved.notify_all()
+            return True
 
     def connect(self, endpoint: Endpoint) -> dist.Store:
         """A client of ``endpoint``, in the job's view; raises :class:`StoreLost` when it cannot be reached."""
