@@ -1,5 +1,8 @@
 """The agent's decisions, in one place: each poller's event, with a frozen view of the agent, to one decision.
 
+One rule per kind of event (:data:`RULES`); the loop carries each kind of
+decision out with one action (resilient_train.agent.act).
+
 Nothing here acts or reads the store: the events carry what their pollers
 read, and :class:`View` what the agent knows (its state, its workers, its
 budgets). The loop carries the decision out. The rules, by event:
@@ -21,11 +24,13 @@ budgets). The loop carries the decision out. The rules, by event:
 * every worker succeeded: leave the job with 0;
 * this node declared lost while its agent lived (its own loss key, or a rank
   that exited FENCED): fenced, exit 94 (resilient_train.rank.fence);
-* the store lost: 0 if this node's ranks had finished; on node 0, whose
-  agent hosts the store, give up with exit 1; on any other node fenced, exit
-  94: its agent cannot tell node 0's loss from its own link's, nor know
-  whether the job declared it lost and gave its ranks to a spare, so it
-  assumes it did (a spare still waiting leaves with 94 too);
+* the store lost: 0 if this node's ranks had finished; its own store failed
+  under the host: exit 1; a many-node job's other agents move with it to the
+  first successor alive (resilient_train.agent.succession, ``MoveStore``);
+  without a succession, or with no successor opening (no majority), fenced,
+  exit 94: this side may be the one cut off, and cannot know whether the job
+  declared it lost; with the host's process known dead and no majority, the
+  job stops to be resumed (75);
 * the run directory removed, replaced or read-only: the job stops with 74
   (nothing can be written: checkpoints, events, the final state).
 """
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Callable, Mapping, get_args
 
 from resilient_train.base import exitcodes
 from resilient_train.agent.events import (
@@ -48,7 +53,7 @@ from resilient_train.agent.state import AgentState
 from resilient_train.agent.restarts import Decision as Restart
 from resilient_train.agent.restarts import WorkerFailure, RestartPolicy
 
-__all__ = ["View", "blame", "decide"]
+__all__ = ["RULES", "View", "blame", "decide"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,53 +78,40 @@ class View:
 
 
 def decide(view: View, event: Event) -> Decision:
-    """The one decision for ``event``."""
-    if isinstance(event, WorkerExited):
-        return _worker_exited(view, event)
-    if isinstance(event, RankHung):
-        if view.pids.get(event.rank) != event.pid or event.rank in view.killing:
-            return Ignore(why=f"rank {event.rank} is already gone or being killed")
-        return Kill(rank=event.rank, pid=event.pid, cause=event.cause, dump_stacks=event.cause["kind"] == "hang")
-    if isinstance(event, StacksDue):
-        return KillDumped(rank=event.rank)
-    if isinstance(event, NodeLost):
-        return ClaimNode(node=event.node, incarnation=event.incarnation)
-    if isinstance(event, Signalled):
-        if view.state is AgentState.WAITING_FOR_NODE:  # a spare that took no node: the job goes on
-            name = signal.Signals(event.signum).name
-            return End(exit_code=128 + event.signum, reason="signalled while spare",
-                       line=f"received {name}: this spare node agent leaves; the job goes on")
-        return ShutDown(signum=event.signum, signalled=True)
-    if isinstance(event, PeerStopping):
-        return ShutDown(signum=event.signum, signalled=False)
-    if isinstance(event, AllSucceeded):
-        return Leave(exit_code=exitcodes.OK)
-    if isinstance(event, SupervisedSeen):
-        return EnableSpares()
-    if isinstance(event, SpareDue):
-        return StartSpare()
-    if isinstance(event, StoreUnreachable):
-        return _store_lost(view, event)
-    if isinstance(event, NoMajority):
-        return _no_majority(view, event)
-    if isinstance(event, Fenced):
-        # Declared lost after its ranks had finished (it was stopped at the end): it did its part.
-        return Leave(exit_code=exitcodes.OK) if view.finished else FenceNode(how=event.how, line=event.line)
-    if isinstance(event, NodeAssigned):
-        return TakeNode(node=event.node)
-    if isinstance(event, JobEnded):
-        if event.preempted:  # the job is requeued, and so is this spare
-            return End(exit_code=exitcodes.REQUEUE, reason="preempted", spare_unused=True,
-                       line=f"the job was preempted before it needed this spare node (exit code {exitcodes.REQUEUE})")
-        return End(exit_code=exitcodes.OK, reason="finished", spare_unused=True,
-                   line="the job ended without needing this spare node")
-    if isinstance(event, MonitorStateDue):
-        return SaveMonitorState()
-    if isinstance(event, MonitorStateOffered):
-        return TakeOffer()
-    if isinstance(event, RunDirFailed):  # no rank can write its checkpoints, events or final state
-        return StopJob(rank=-1, rc=0, exit_code=exitcodes.STORAGE, reason=event.reason, request=True)
-    raise AssertionError(f"no decision for {event!r}")
+    """The one decision for ``event``: its kind's rule (one per kind of event, :data:`RULES`)."""
+    return RULES[type(event)](view, event)
+
+
+def _rank_hung(view: View, e: RankHung) -> Decision:
+    if view.pids.get(e.rank) != e.pid or e.rank in view.killing:
+        return Ignore(why=f"rank {e.rank} is already gone or being killed")
+    return Kill(rank=e.rank, pid=e.pid, cause=e.cause, dump_stacks=e.cause["kind"] == "hang")
+
+
+def _signalled(view: View, e: Signalled) -> Decision:
+    if view.state is AgentState.WAITING_FOR_NODE:  # a spare that took no node: the job goes on
+        name = signal.Signals(e.signum).name
+        return End(exit_code=128 + e.signum, reason="signalled while spare",
+                   line=f"received {name}: this spare node agent leaves; the job goes on")
+    return ShutDown(signum=e.signum, signalled=True)
+
+
+def _fenced(view: View, e: Fenced) -> Decision:
+    # Declared lost after its ranks had finished (it was stopped at the end): it did its part.
+    return Leave(exit_code=exitcodes.OK) if view.finished else FenceNode(how=e.how, line=e.line)
+
+
+def _job_ended(view: View, e: JobEnded) -> Decision:
+    if e.preempted:  # the job is requeued, and so is this spare
+        return End(exit_code=exitcodes.REQUEUE, reason="preempted", spare_unused=True,
+                   line=f"the job was preempted before it needed this spare node (exit code {exitcodes.REQUEUE})")
+    return End(exit_code=exitcodes.OK, reason="finished", spare_unused=True,
+               line="the job ended without needing this spare node")
+
+
+def _run_dir_failed(view: View, e: RunDirFailed) -> Decision:
+    # No rank can write its checkpoints, events or final state.
+    return StopJob(rank=-1, rc=0, exit_code=exitcodes.STORAGE, reason=e.reason, request=True)
 
 
 def _worker_exited(view: View, e: WorkerExited) -> Decision:
@@ -226,3 +218,26 @@ def _no_majority(view: View, e: NoMajority) -> Decision:
     if view.state in (AgentState.STARTING, AgentState.RUNNING):
         return FenceNode(how=f"lost the store on {view.store_address}", line=line)
     return Fail(message=line, exit_code=exitcodes.FENCED)
+
+
+RULES: dict[type, Callable[[View, Any], Decision]] = {
+    WorkerExited: _worker_exited,
+    RankHung: _rank_hung,
+    StacksDue: lambda view, e: KillDumped(rank=e.rank),
+    NodeLost: lambda view, e: ClaimNode(node=e.node, incarnation=e.incarnation),
+    Signalled: _signalled,
+    PeerStopping: lambda view, e: ShutDown(signum=e.signum, signalled=False),
+    AllSucceeded: lambda view, e: Leave(exit_code=exitcodes.OK),
+    SupervisedSeen: lambda view, e: EnableSpares(),
+    SpareDue: lambda view, e: StartSpare(),
+    StoreUnreachable: _store_lost,
+    NoMajority: _no_majority,
+    Fenced: _fenced,
+    NodeAssigned: lambda view, e: TakeNode(node=e.node),
+    JobEnded: _job_ended,
+    MonitorStateDue: lambda view, e: SaveMonitorState(),
+    MonitorStateOffered: lambda view, e: TakeOffer(),
+    RunDirFailed: _run_dir_failed,
+}
+"""The rule for each kind of event: every kind has one (checked when this module loads)."""
+assert set(RULES) == set(get_args(Event)), set(get_args(Event)) ^ set(RULES)

@@ -31,19 +31,20 @@ from monitors.dashboard.server import DashboardServer
 from resilient_train.agent import events as ev
 from resilient_train.agent.clock import PauseClock
 from resilient_train.agent.config import AgentConfig
+from resilient_train.agent.act import act
 from resilient_train.agent.decide import View, decide
 from resilient_train.agent.ending import Ending
 from resilient_train.agent.hangs import HangPolicy
 from resilient_train.agent.membership import Membership
 from resilient_train.agent.monitorstate import MonitorState
-from resilient_train.agent.move import announce_path, move_store, store_env
+from resilient_train.agent.move import announce_path, store_env
 from resilient_train.agent.recovery import WorkerRecovery
 from resilient_train.agent.rundirwatch import RunDirWatch
 from resilient_train.agent.signals import SignalTrap
 from resilient_train.agent.startwords import start_lines
 from resilient_train.agent.state import AgentError, AgentLifecycle, AgentState
 from resilient_train.agent.storehost import StoreHost
-from resilient_train.agent.workers import Workers, WorkerState
+from resilient_train.agent.workers import Workers
 from resilient_train.protocol import env as E
 from resilient_train.base import exitcodes
 from resilient_train.agent.entry import Entry
@@ -85,22 +86,22 @@ class Agent:
         self.console = Console()
         self.console.on_closed = self._console_closed
         self.host = StoreHost(c)
-        self.hangs = HangPolicy(c.monitor, self.run_dir, events=self.events, say=self._say)
-        self.persist = MonitorState(self.run_dir, every_s=c.monitor_state_every_s, events=self.events, say=self._say)
+        self.hangs = HangPolicy(c.monitor, self.run_dir, events=self.events, say=self.say)
+        self.persist = MonitorState(self.run_dir, every_s=c.monitor_state_every_s, events=self.events, say=self.say)
         self._watch_node(waiting=c.spare)
-        self.membership = Membership(c, events=self.events, say=self._say, token=self.host.token,
+        self.membership = Membership(c, events=self.events, say=self.say, token=self.host.token,
                                      succession=self.host.succession, endpoint=lambda: self.host.endpoint) \
             if self.host.succession is not None else None
-        self._announce_to = announce_path(self.run_dir)  # where this node's ranks learn that the store moved
+        self.announce_to = announce_path(self.run_dir)  # where this node's ranks learn that the store moved
         self.workers = Workers(c, self.entry, run_dir=self.run_dir, events=self.events, console=self.console)
         self.recovery = WorkerRecovery(c, self.lifecycle, workers=self.workers, hangs=self.hangs, host=self.host,
-                                 events=self.events, say=self._say,
+                                 events=self.events, say=self.say,
                                  spawn=lambda rank, g, replacement: self._spawn(rank, g, replacement=replacement))
         self.spares = self._spare_pool()
         self.signals = SignalTrap(c.signals, self.console)
         self.clock = PauseClock(on_pause=self._excuse)
         self.run_dir_watch = RunDirWatch(self.run_dir)
-        self.ending = Ending(c, self.lifecycle, workers=self.workers, events=self.events, say=self._say,
+        self.ending = Ending(c, self.lifecycle, workers=self.workers, events=self.events, say=self.say,
                              membership=self.membership, hosting=lambda: self.host.hosting)
 
     # ------------------------------------------------------------ the view
@@ -145,7 +146,7 @@ class Agent:
         self.events.emit("agent_start", world_size=c.world_size, port=self.port, script=self.entry.target,
                          entry=self.entry.kind.value, args=c.script_args, **slurm_job(os.environ))
         for line in start_lines(c, self.entry, omp_default=self.workers.omp_default, fd_warning=self.host.fd_warning):
-            self._say(line)
+            self.say(line)
         if self._dashboard is not None:
             self._dashboard.start()
         if self.entry.mentions_runtime() and self.spares is not None:
@@ -186,7 +187,7 @@ class Agent:
         except dist.DistError as e:
             error = str(e).splitlines()[0] if str(e) else type(e).__name__
             codes = [w.proc.poll() for w in self.workers]  # how this node's part ended, if it did
-            self._act(decide(self.view(), ev.StoreUnreachable(error=error, finished=bool(codes) and set(codes) == {0},
+            act(self, decide(self.view(), ev.StoreUnreachable(error=error, finished=bool(codes) and set(codes) == {0},
                                                        fenced=exitcodes.FENCED in codes)))
 
     def _look(self) -> None:
@@ -194,7 +195,7 @@ class Agent:
         self.clock.tick()
         for poller in self._pollers():
             for event in poller():
-                self._act(decide(self.view(), event))
+                act(self, decide(self.view(), event))
                 if self.state.terminal:
                     return
 
@@ -241,81 +242,6 @@ class Agent:
         self.spares.note()
         return [ev.SpareDue()] if self.spares.due() else []
 
-    # ------------------------------------------------------------- acting
-    def _act(self, d: ev.Decision) -> None:
-        """Carries out one decision."""
-        if isinstance(d, ev.Ignore):
-            return
-        if isinstance(d, ev.MarkSucceeded):
-            w = self.workers.get(d.rank)
-            assert w is not None
-            w.state = WorkerState.SUCCEEDED
-            if d.after_final is not None:  # the final state is committed: the run is over whatever happens now
-                self.events.emit("worker_exit_after_final", rank=d.rank, how=d.after_final.how)
-        elif isinstance(d, ev.StopJob):
-            if d.rank >= 0:
-                self.events.emit("worker_stopped_job", rank=d.rank, exit_code=d.rc, reason=d.reason)
-            if d.request:  # the agent's own verdict: every rank, on every node, learns it from the store
-                self.recovery.stop_job(d.rank, exit_code=d.exit_code, reason=d.reason)
-            self.ending.stop(self.store, exit_code=d.exit_code, reason=d.reason, restarts=self.restarts)
-        elif isinstance(d, ev.ShutDown):
-            if d.preempted_rank is not None:
-                self.events.emit("worker_preempted", rank=d.preempted_rank)
-            self.ending.shut_down(self.store, d.signum, signalled=d.signalled, restarts=self.restarts)
-        elif isinstance(d, ev.Replace):
-            self.recovery.replace(d.failure, step=d.step)
-        elif isinstance(d, ev.RestartAll):
-            self.recovery.restart_all(d)
-        elif isinstance(d, ev.Fail):
-            if d.failure is not None:
-                self.recovery.fault_detected(d.failure)
-            if d.restart_decision is not None:
-                assert d.failure is not None
-                self.recovery.attempt_failed(d.failure, d.followed, d.restart_decision)
-            raise AgentError(d.message, exit_code=d.exit_code)
-        elif isinstance(d, ev.Kill):
-            w = self.workers.get(d.rank)
-            assert w is not None
-            self.hangs.kill(w, d.cause, dump_stacks=d.dump_stacks)
-        elif isinstance(d, ev.KillDumped):
-            w = self.workers.get(d.rank)
-            assert w is not None
-            self.hangs.kill_dumped(w)
-        elif isinstance(d, ev.ClaimNode):
-            assert self.membership is not None
-            self.membership.handle_loss(self.store, d.node, d.incarnation)
-        elif isinstance(d, ev.Leave):
-            self.ending.succeed(self.store, restarts=self.restarts)
-        elif isinstance(d, ev.End):
-            if d.line is not None:
-                self._say(d.line)
-            extra = {"spare_unused": True} if d.spare_unused else {}
-            self.events.emit("agent_end", ok=d.exit_code == 0, reason=d.reason, exit_code=d.exit_code,
-                             restarts=self.restarts, **extra)
-            self.lifecycle.end(d.exit_code, d.reason)
-        elif isinstance(d, ev.FenceNode):
-            self.ending.fence(d.how, restarts=self.restarts, line=d.line)
-        elif isinstance(d, ev.EnableSpares):
-            assert self.spares is not None
-            self.spares.enable()
-        elif isinstance(d, ev.StartSpare):
-            assert self.spares is not None
-            self.spares.start_next()
-        elif isinstance(d, ev.SaveMonitorState):
-            self.persist.save()
-        elif isinstance(d, ev.TakeOffer):
-            self.persist.take_offer()
-        elif isinstance(d, ev.TakeNode):
-            self._take_node(d.node)
-        elif isinstance(d, ev.MoveStore) and self.membership is not None:
-            failed = move_store(d.error, host=self.host, membership=self.membership, path=self._announce_to,
-                                events=self.events, say=self._say, supervised=self.entry.mentions_runtime(),
-                                clock=self.clock)
-            if failed is not None:
-                self._act(decide(self.view(), failed))
-        else:
-            raise AssertionError(f"no action for {d!r}")
-
     # ------------------------------------------------------- node and spawn
     def _start_node(self) -> None:
         """Starts this node's ranks (registered first, many nodes): replacements when the job already ran
@@ -329,7 +255,7 @@ class Agent:
             self.spares.resize(spares_wanted(self.config.spares, self.config.nproc_per_node, waiting=False))
         self.lifecycle.to(AgentState.RUNNING)
 
-    def _take_node(self, node: int) -> None:
+    def take_node(self, node: int) -> None:
         """A spare node's agent becomes node ``node``."""
         assert self.membership is not None
         self.config.node_rank = node
@@ -349,7 +275,7 @@ class Agent:
     def _env(self, rank: int, generation: int, replacement: bool, error_file: Path | None) -> dict[str, str]:
         h, m = self.host, self.membership
         # Many nodes: where the store is now; the rank's node and this agent's incarnation of it (the fence).
-        node = store_env(h, self._announce_to, self.config.node_timeout_s) if m is not None else {}
+        node = store_env(h, self.announce_to, self.config.node_timeout_s) if m is not None else {}
         node.update({E.RT_NODE: str(self.config.node_rank), E.RT_NODE_INCARNATION: str(m.incarnation)}
                     if m is not None and m.incarnation > 0 else {})
         return self.workers.env(rank, generation, replacement=replacement, port=h.port, token=h.token,
@@ -375,7 +301,7 @@ class Agent:
                          size=spares_wanted(c.spares, c.nproc_per_node, waiting=c.spare))
 
     # -------------------------------------------------------------- words
-    def _say(self, line: str) -> None:
+    def say(self, line: str) -> None:
         self.console.write(f"resilient-train: {line}\n".encode())
 
     def _console_closed(self, std: Std) -> None:
@@ -383,7 +309,7 @@ class Agent:
         name = "stdout" if std is Std.OUT else "stderr"
         where = str(self.workers.log_dir / "attempt_N" / "LOCAL_RANK" / f"{name}.log")
         self.events.emit("console_closed", stream=name, output=where)
-        self._say(f"{name} is closed (its reader exited): the job goes on; the ranks' {name} goes to {where}")
+        self.say(f"{name} is closed (its reader exited): the job goes on; the ranks' {name} goes to {where}")
 
     def close(self) -> None:
         if self.membership is not None:

@@ -190,3 +190,20 @@ def test_a_node_declared_lost_while_its_agent_lived_is_fenced_unless_it_had_fini
     assert isinstance(decide(v, ev.Fenced(how="no beat for 2 s")), ev.FenceNode)
     assert decide(_view(finished=True), ev.Fenced(how="no beat for 2 s")) == ev.Leave(exit_code=0)
     assert isinstance(decide(v, _exit(rc=exitcodes.FENCED)), ev.FenceNode)  # a rank saw the fence first
+
+
+def test_every_kind_of_event_has_one_rule_and_every_kind_of_decision_one_action() -> None:
+    """The two tables the agent runs on (resilient_train.agent.decide.RULES, resilient_train.agent.act.ACTIONS):
+    each kind is dispatched by its type, so a kind added without a rule or an action fails here, not at the
+    moment an agent meets it."""
+    from typing import get_args
+
+    from resilient_train.agent.act import ACTIONS
+    from resilient_train.agent.decide import RULES
+
+    assert set(RULES) == set(get_args(ev.Event))
+    assert set(ACTIONS) == set(get_args(ev.Decision))
+    view = View(state=AgentState.RUNNING)
+    for event in (ev.StacksDue(rank=1, pid=4242), ev.SupervisedSeen(), ev.SpareDue(), ev.MonitorStateDue(),
+                  ev.MonitorStateOffered(), ev.NodeAssigned(node=2)):
+        assert type(decide(view, event)) in ACTIONS  # what a rule decides, an action carries out
