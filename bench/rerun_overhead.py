@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(1 + rank)
     state = rt.TrainState(model=model, optimizer=opt)
-    driver = sup._rerun  # detached in "off" blocks: the supervisor then skips every rerun hook
+    drivers: list = []  # the run's rerun driver, detached in "off" blocks: the stepper then skips every rerun hook
     starts: list[float] = []
     on_flags: list[bool] = []
 
@@ -59,7 +59,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         starts.append(time.perf_counter())
         block = (ctx.step - warmup) // args.steps_per_block
         on = ctx.step < warmup or block % 2 == 0
-        sup._rerun = driver if on else None
+        stepper = sup.current.stepper
+        if not drivers:
+            drivers.append(stepper.rerun)
+        stepper.rerun = drivers[0] if on else None
         on_flags.append(on)
         ctx.enter("data")
         x, y = batch(0, ctx.step, ctx.data_rank, size=8, cfg=cfg, device=ctx.device)
@@ -110,7 +113,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     signal_us = (time.perf_counter() - t0) / n * 1e6
     t0 = time.perf_counter()
     for _ in range(n):
-        json.dumps(driver.state_dict())
+        json.dumps(drivers[0].state_dict())
     state_us = (time.perf_counter() - t0) / n * 1e6
     on_s, off_s = statistics.median(per[True]), statistics.median(per[False])
     Path(out).write_text(json.dumps({
