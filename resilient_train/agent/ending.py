@@ -3,7 +3,8 @@
 The shutdown's policy (one grace, the exit code from the ranks' records) is
 resilient_train.protocol.shutdown's; here is the agent's sequence around it: forward
 the signal, wait out the grace, SIGKILL the rest, say the verdict, and leave.
-A rank's stop (STOPPING) gives the ranks a short grace to leave on their own.
+A rank killed while the job shuts down fails its generation, so that its peers stop
+waiting for it. A rank's stop (STOPPING) gives the ranks a short grace to leave on their own.
 Leaving (many nodes) tells the job this node is done; node 0's agent, which
 hosts the store, waits for the others first. A store that is gone by then
 changes nothing: the outcome was decided before.
@@ -11,6 +12,8 @@ changes nothing: the outcome was decided before.
 
 from __future__ import annotations
 
+import signal
+import time
 from typing import Callable
 
 import torch.distributed as dist
@@ -22,6 +25,7 @@ from resilient_train.agent.membership import Membership
 from resilient_train.agent.state import AgentLifecycle, AgentState
 from resilient_train.agent.workers import Workers
 from resilient_train.protocol.shutdown import PLAIN_SHUTDOWN_TIMEOUT_S, Shutdown
+from resilient_train.protocol.store import current_generation, declare_fault
 
 __all__ = ["Ending", "STOP_GRACE_S"]
 
@@ -53,7 +57,8 @@ class Ending:
             self._say(sd.received_line())
         if signum is not None:
             self.workers.signal_all(signum)
-        left = sd.wait(store, self.workers.procs)
+        left = sd.wait(store, self.workers.procs,
+                       died=(lambda rank, code: self._release_peers(store, rank, code)) if sd.supervised else None)
         if left:
             self.events.emit("shutdown_killed", ranks=left, grace_s=sd.grace_s, timeout_s=sd.timeout_s)
         self.workers.kill_all()
@@ -65,6 +70,19 @@ class Ending:
         if not sd.store_lost:
             self.leave(store, until=sd.leave_by)
         return self.lifecycle.end(verdict.exit_code, verdict.reason)
+
+    def _release_peers(self, store: dist.Store, rank: int, code: int) -> None:
+        """A rank died while the job shuts down (killed from outside as the signal came): its generation fails,
+        as for any death, so that its peers stop waiting for it (a save in flight, a collective). No replacement
+        comes: they stop in the next join, to be resumed (75)."""
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        try:
+            g = current_generation(store)
+            declare_fault(store, g, {"rank": rank, "kind": "exit", "how": how, "time": time.time()},
+                          world_size=self.config.world_size)
+        except dist.DistError:
+            return  # the store is gone: so are the waits on it
+        self.events.emit("fault_detected", rank=rank, how=how, generation=g, kind="exit", during="shutdown")
 
     def stop(self, store: dist.Store, *, exit_code: int, reason: str, restarts: int) -> int:
         """A rank stopped the job: the others leave on their own (they saw the stop key) or are killed."""

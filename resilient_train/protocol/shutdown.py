@@ -183,10 +183,20 @@ class Shutdown:
                 f"(SIGKILL after {grace:g} s, their preemption grace{aside})")
 
     # ---------------------------------------------------------------- wait
-    def wait(self, store: dist.Store, procs: Callable[[], dict[int, subprocess.Popen]]) -> list[int]:
+    def wait(self, store: dist.Store, procs: Callable[[], dict[int, subprocess.Popen]], *,
+             died: Callable[[int, int], None] | None = None) -> list[int]:
         """Until every worker of this node exited, or the deadline (which a rank's grown grace moves): the
-        ranks still running then (to be SIGKILLed)."""
+        ranks still running then (to be SIGKILLed). ``died(rank, code)``: once for each worker that ends
+        otherwise than stopped (0) or checkpointed for the preemption (75) meanwhile, a SIGKILL from outside
+        say, whose peers must not wait for it."""
+        seen: set[int] = set()
         while any(p.poll() is None for p in procs().values()) and time.monotonic() < self.deadline:
+            if died is not None:
+                for rank, p in procs().items():
+                    code = p.poll()
+                    if code is not None and code not in (exitcodes.OK, exitcodes.REQUEUE) and rank not in seen:
+                        seen.add(rank)
+                        died(rank, code)
             if time.monotonic() - self._read_at >= _REREAD_S:
                 self._read(store)
             time.sleep(_POLL_S)

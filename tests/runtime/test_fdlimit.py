@@ -59,7 +59,7 @@ def test_the_store_host_raises_its_limit_and_its_children_keep_the_original(tmp_
 def test_a_hard_limit_short_of_the_job_is_said_in_one_line():
     """400 ranks need 1,856 descriptors at the store host; a hard limit of 1,000 cannot be raised past."""
     code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (300, 1000)); "
-            "from resilient_train import fdlimit; print(fdlimit.raise_for_store(400)); "
+            "from resilient_train.agent import fdlimit; print(fdlimit.raise_for_store(400)); "
             "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0]); print(fdlimit.raise_for_store(8))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=REPO)
     assert out.returncode == 0, out.stderr

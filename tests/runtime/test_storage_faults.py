@@ -113,4 +113,7 @@ def test_a_run_directory_turned_read_only_stops_the_job_with_74_said_at_the_firs
     said = [line for line in job.stderr.splitlines() if "checkpoint step" in line and "failed" in line]
     assert said and "Read-only file system" in said[0], job.stderr[-3000:]
     last = job.stderr.strip().splitlines()[-1]
-    assert "Read-only file system" in last and "exit code 74" in last, job.stderr[-3000:]
+    # The job's line names the error of the rank that stopped it: a write under way as the kernel remounted the
+    # filesystem read-only can fail with EIO instead of EROFS (seen in CI), whichever rank is first.
+    assert "exit code 74" in last, job.stderr[-3000:]
+    assert "Read-only file system" in last or "Input/output error" in last, job.stderr[-3000:]

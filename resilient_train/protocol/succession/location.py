@@ -89,7 +89,7 @@ class StoreLocation:
     def move(self, endpoint: Endpoint) -> bool:
         """The store is at ``endpoint`` now: every connection follows at its next call. An endpoint of an epoch
         no later than the current one changes nothing (False): a rank's two threads may follow one announcement
-        (resilient_train.succession.follow)."""
+        (resilient_train.rank.storefollow)."""
         with self._lock:
             if endpoint.epoch <= self._endpoint.epoch:
                 return False
