@@ -21,7 +21,7 @@ from elastic_job import ElasticJob, step_at_least
 from jobs import REPO, ckpt_diff, console_lines, run_gpt
 
 STEPS = 80
-LONG = 1500  # steps: the ranks train on while the store moves (some 45 steps a second, the move 6 s or more)
+LONG = 800  # steps: the ranks train on while the store moves (some 45 steps a second, the move 6 s or more)
 FIXED = ["--rdzv-conf", "last_call_timeout=1"]
 
 
