@@ -284,10 +284,11 @@ def test_sigterm_to_each_agent_in_turn_ends_every_node_in_75_on_time_and_the_run
     stops: list[dict] = []
     for target, slow_step in (("node1", 5), ("node0", 10)):
         c = cluster_factory(nnodes=2, extra=extra, agent_args=old_kill, env={SLOW: f"6@{slow_step}"})
+        started = time.time()  # the run directory's events of the start before (its preemption staged step 10 too)
         c.start("node0", node_rank=0)
         c.start("node1", node_rank=1)
-        c.wait_event(lambda e: e["event"] == "checkpoint_staged" and e["step"] == slow_step and e["rank"] == 0,
-                     timeout=200)
+        c.wait_event(lambda e: e["event"] == "checkpoint_staged" and e["step"] == slow_step and e["rank"] == 0
+                     and e["time"] > started, timeout=200)
         signalled = time.monotonic()
         c.agents[target].send_signal(signal.SIGTERM)
         jobs = {name: c.wait(name, timeout=max(1.0, signalled + GRACE_S + 5 - time.monotonic()))
