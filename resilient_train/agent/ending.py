@@ -12,7 +12,6 @@ changes nothing: the outcome was decided before.
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import Callable
 
@@ -75,14 +74,17 @@ class Ending:
         """A rank died while the job shuts down (killed from outside as the signal came): its generation fails,
         as for any death, so that its peers stop waiting for it (a save in flight, a collective). No replacement
         comes: they stop in the next join, to be resumed (75)."""
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        w = self.workers.get(rank)
+        assert w is not None
+        failure = self.workers.failure(w, code)  # as a death outside a shutdown is described
         try:
             g = current_generation(store)
-            declare_fault(store, g, {"rank": rank, "kind": "exit", "how": how, "time": time.time()},
+            declare_fault(store, g, {"rank": rank, "kind": failure.kind, "how": failure.how, "time": time.time()},
                           world_size=self.config.world_size)
         except dist.DistError:
             return  # the store is gone: so are the waits on it
-        self.events.emit("fault_detected", rank=rank, how=how, generation=g, kind="exit", during="shutdown")
+        self.events.emit("fault_detected", rank=rank, how=failure.how, generation=g, kind=failure.kind,
+                         during="shutdown")
 
     def stop(self, store: dist.Store, *, exit_code: int, reason: str, restarts: int) -> int:
         """A rank stopped the job: the others leave on their own (they saw the stop key) or are killed."""

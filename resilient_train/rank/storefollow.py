@@ -38,7 +38,7 @@ from resilient_train.protocol import env as E
 from resilient_train.rank.fence import leave_fenced, leave_if_cut_off
 from resilient_train.rank.lifecycle import SupervisorState
 from resilient_train.protocol.store import Keys
-from resilient_train.protocol.succession.location import Endpoint, announced
+from resilient_train.protocol.succession.location import Endpoint, announced, read_announcement
 from resilient_train.protocol.succession.movable import MovableStore
 
 __all__ = ["MOVE_TIMEOUT_S", "MoveNotice", "follow", "judge_following"]
@@ -127,10 +127,10 @@ class MoveNotice:
         """The announced endpoint if the file changed since it was last read, else None."""
         try:
             st = self._path.stat()
-            seen = (st.st_ino, st.st_mtime_ns, st.st_size)  # the agent renames a new file over it
-            if seen == self._seen:
-                return None
-            self._seen = seen
-            return Endpoint.from_json(self._path.read_text())
-        except (OSError, ValueError, KeyError):
+        except OSError:
+            return None  # none announced yet
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)  # the agent renames a new file over it
+        if seen == self._seen:
             return None
+        self._seen = seen
+        return read_announcement(self._path)

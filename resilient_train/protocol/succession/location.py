@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["MIN_CALL_TIMEOUT_S", "Endpoint", "StoreLocation", "StoreLost", "announce", "announced", "call_timeout_s"]
+__all__ = ["MIN_CALL_TIMEOUT_S", "Endpoint", "StoreLocation", "StoreLost", "announce", "announced", "call_timeout_s", "read_announcement"]
 
 
 MIN_CALL_TIMEOUT_S = 5.0  # a loaded store host answers in milliseconds; seconds without a word is a lost host
@@ -116,6 +116,14 @@ def announce(path: Path, endpoint: Endpoint) -> None:
     os.replace(tmp, path)
 
 
+def read_announcement(path: Path) -> Endpoint | None:
+    """The endpoint an agent announced in ``path``, or None (none yet, or not one)."""
+    try:
+        return Endpoint.from_json(path.read_text())
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def announced(path: Path | None, *, after: int, timeout_s: float, interval_s: float = 0.05) -> Endpoint | None:
     """The endpoint this process's agent announced with an epoch past ``after``, waiting up to ``timeout_s``;
     None when none came (the agent did not move: it was fenced, or stopped)."""
@@ -123,12 +131,9 @@ def announced(path: Path | None, *, after: int, timeout_s: float, interval_s: fl
         return None
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            endpoint = Endpoint.from_json(path.read_text())
-            if endpoint.epoch > after:
-                return endpoint
-        except (OSError, ValueError, KeyError):
-            pass
+        endpoint = read_announcement(path)
+        if endpoint is not None and endpoint.epoch > after:
+            return endpoint
         if time.monotonic() >= deadline:
             return None
         time.sleep(interval_s)
