@@ -16,12 +16,12 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from resilient_train.base.exitfast import skip_final_collection
+from resilient_train.base.exitfast import end_process, skip_final_collection
 
 if TYPE_CHECKING:
     from resilient_train.agent import AgentConfig
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]
 
 
 def _run_parser(sub: argparse._SubParsersAction) -> None:
@@ -142,5 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def entry() -> None:
+    """The ``resilient-train`` command: ``main``'s code is the process's, whatever threads are still in a call
+    (resilient_train.base.exitfast.end_process: an agent cut off from its store)."""
+    end_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

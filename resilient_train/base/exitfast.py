@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
+import sys
+from typing import NoReturn
 
-__all__ = ["skip_final_collection"]
+__all__ = ["end_process", "skip_final_collection"]
 
 _registered = False
 
@@ -27,3 +30,23 @@ def skip_final_collection() -> None:
     if not _registered:
         _registered = True
         atexit.register(gc.freeze)
+
+
+def end_process(code: int) -> NoReturn:
+    """Ends a command's process with ``code`` without the interpreter's teardown.
+
+    A daemon thread inside a C++ call (a store call to a host that was cut off runs to its deadline) cannot be
+    joined sooner than that call returns. If the interpreter finalizes first, the thread returns into it, is
+    ended by the runtime as it takes the GIL back, and that unwinding through C++ aborts the whole process
+    ("terminate called without an active exception", signal 6): the exit code the command decided is lost.
+    So: the atexit handlers run, as at a normal exit, and stdio is flushed; then the process leaves with
+    ``os._exit``, which no thread can interrupt. Every thread the commands start is a daemon, which a normal
+    exit would not wait for either.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed under us (| head): nothing more to say
+            pass
+    os._exit(code)
