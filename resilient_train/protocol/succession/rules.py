@@ -27,7 +27,9 @@ local states of the ranks               copied as they are published to the firs
 supervised marks                        set again by each rank as it follows its agent; the lost node's ranks'
                                         by the new host (its spare starts them as replacements)
 preemption graces                       the agents' default until a rank's grace changes
-chaos fired marks                       gone: a fault fired before the move may fire again on a replacement
+chaos fired marks                       unaffected: under an agent they are files in the run directory
+                                        (``.chaos/fired-N``; the store holds them only for a rank with no
+                                        run directory, which no agent starts)
 the dashboard                           reads the run directory, not the store: unaffected
 ======================================  ===================================================================
 
