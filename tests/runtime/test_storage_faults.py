@@ -1,7 +1,7 @@
 """Issue 30: storage faults are storage faults. The run directory on a filesystem of its own, filled from outside
 mid-run (another program's files), or turned read-only by the kernel (ext4's ``errors=remount-ro`` after an
-error: open files stay open, every write fails with EROFS, or EIO for one under way as it turns): the job stops with its code and one line saying why,
-no rank dies of SIGBUS, no replacement is spent."""
+error: open files stay open, every write fails with EROFS, or with EIO for one under way as it turns): the job
+stops with its code and one line saying why, no rank dies of SIGBUS, no replacement is spent."""
 
 from __future__ import annotations
 
