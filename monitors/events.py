@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from resilient_train.base.safefiles import append_bytes
 
@@ -27,12 +27,16 @@ _WARNED: set[Path] = set()  # the logs this process said it cannot write to (onc
 class EventLog:
     """Appends events to ``path``; ``None`` makes a log that drops everything."""
 
-    def __init__(self, path: str | os.PathLike[str] | None, *, source: str, warn: bool = True) -> None:
-        """``warn``: a failed write is told on stderr (once per file and process); a rank under the agent
-        leaves it to the agent, which writes to the same file."""
+    def __init__(self, path: str | os.PathLike[str] | None, *, source: str, warn: bool = True,
+                 say: Callable[[str], None] | None = None) -> None:
+        """``warn``: a failed write is told (once per file and process); a rank under the agent leaves it to
+        the agent, which writes to the same file. ``say``: where it is told, one line without the
+        ``resilient-train:`` prefix (the agent's console, so that it comes in order with the agent's own lines);
+        stderr when None."""
         self.path = Path(path) if path is not None else None
         self.source = source
         self._warn = warn
+        self._say = say if say is not None else _to_stderr
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -47,9 +51,13 @@ class EventLog:
             except OSError as e:
                 if self._warn and self.path not in _WARNED:
                     _WARNED.add(self.path)
-                    print(f"resilient-train: cannot write events to {self.path}: {e.strerror or e}; "
-                          "events are dropped while it fails", file=sys.stderr, flush=True)
+                    self._say(f"cannot write events to {self.path}: {e.strerror or e}; "
+                              "events are dropped while it fails")
         return record
+
+
+def _to_stderr(line: str) -> None:
+    print(f"resilient-train: {line}", file=sys.stderr, flush=True)
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -28,7 +29,7 @@ __all__ = ["HangPolicy"]
 class HangPolicy:
     """This node's monitor (:attr:`monitor`) and what the agent does about its findings."""
 
-    def __init__(self, config: MonitorConfig, run_dir: Path, *, events: EventLog, say) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config: MonitorConfig, run_dir: Path, *, events: EventLog, say: Callable[[str], None]) -> None:
         self.config, self.run_dir, self.events, self._say = config, run_dir, events, say
         self.stacks = StackDumps(run_dir)
         self.monitor: NodeMonitor | None = None
@@ -45,7 +46,8 @@ class HangPolicy:
         if self.monitor is not None:
             self.monitor.close()
         self.monitor = NodeMonitor(c, self.run_dir, ranks, events=EventLog(self.run_dir / "events.jsonl",
-                                                                            source="monitor"), peers=peers)
+                                                                            source="monitor", say=self._say),
+                                   peers=peers)
         return self.monitor
 
     def expect(self, rank: int, *, had_worker: bool) -> None:

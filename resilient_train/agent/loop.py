@@ -82,8 +82,9 @@ class Agent:
                 self._dashboard = DashboardServer(self.run_dir, c.dashboard)
             except ValueError as e:
                 raise AgentError(str(e)) from None
-        self.events = EventLog(self.run_dir / "events.jsonl", source=c.source)
         self.console = Console()
+        # Its warnings on the console, in order with the agent's lines (the job's verdict stays the last one).
+        self.events = EventLog(self.run_dir / "events.jsonl", source=c.source, say=self.say)
         self.console.on_closed = self._console_closed
         self.host = StoreHost(c)
         self.hangs = HangPolicy(c.monitor, self.run_dir, events=self.events, say=self.say)
