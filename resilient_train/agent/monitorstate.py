@@ -12,7 +12,6 @@ file is refused with one line and the detector keeps its defaults.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -48,7 +47,7 @@ class MonitorState:
                                  timeouts_s=monitor.state_dict()["hang"]["timeouts_s"])
         except ValueError as e:  # a forged or stale file: the detector keeps its defaults, and says so once
             self.events.emit("monitor_state_ignored", path=str(self.path), reason=str(e))
-            print(f"resilient-train: saved hang timeouts ignored: {e}", file=sys.stderr, flush=True)
+            self._say(f"saved hang timeouts ignored: {e}")
         self._saved_at = time.monotonic()
 
     def poll(self) -> list[MonitorStateDue | MonitorStateOffered]:
