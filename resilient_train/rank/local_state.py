@@ -2,9 +2,20 @@
 
 Each rank publishes the local state of its next step boundary (step, RNG
 states, the data position) before its vote on the step goes out, into one of
-two slots per rank (``step % 2``), so the boundary a step starts from and the
-one it ends at are both in the store. A replacement takes over the state its
-predecessor published. A host snapshot's local state has a slot of its own.
+three ring slots per rank (``step % RING``). A replacement takes over the
+state its predecessor published. A host snapshot's local state has a slot of
+its own.
+
+Why three. The members of a step may not all commit it: the vote's
+reduction completes everywhere, but a rank that learns of a failure right
+after it (its generation woken, or its agent's store moved) gives the step
+up, while another commits it and starts the next, publishing the boundary
+after that. So a rank lost then is at most one boundary past the survivors,
+and has published one more: with its parameters at boundary c, its slots
+hold c - 1 (where the survivors may be), c and c + 1. It cannot commit c + 1
+without the survivors' votes. Two slots lost c - 1 in that case, and the
+survivors' resume step with it (seen when node 0's agent was stopped and
+its rank ran on: the survivors gave up a step that rank committed).
 
 A slot holds ``b"<step>\\n" + payload``; the payload is ``torch.save`` output
 read back with ``weights_only=True``: plain data and tensors, nothing executed.
@@ -36,6 +47,8 @@ def decode_local(data: bytes) -> dict[str, Any]:
 class LocalSlots:
     """The published local states of every rank, through one store."""
 
+    RING = 3  # boundaries kept per rank (the module's docstring says why three)
+
     SNAPSHOT = "snap"
     SNAPSHOTS = ("snap", "snap1")  # two: buddy refreshes keep the newest two boundaries (resilient_train.rank.buddy)
 
@@ -53,7 +66,7 @@ class LocalSlots:
         return f"rt/local/{rank}/{slot}"
 
     def publish(self, rank: int, step: int, payload: bytes, *, snapshot: bool = False) -> None:
-        slot: int | str = step % 2
+        slot: int | str = step % self.RING
         if snapshot:
             held = {s: self._step_in(rank, s) for s in self.SNAPSHOTS}
             same = [s for s, h in held.items() if h == step]
@@ -68,7 +81,7 @@ class LocalSlots:
     def steps(self, rank: int) -> list[int]:
         """The steps whose local state ``rank`` has published (ring slots and snapshot)."""
         found = set()
-        for slot in (0, 1, *self.SNAPSHOTS):
+        for slot in (*range(self.RING), *self.SNAPSHOTS):
             step = self._step_in(rank, slot)
             if step is not None:
                 found.add(step)
@@ -76,7 +89,7 @@ class LocalSlots:
 
     def read(self, rank: int, step: int) -> bytes | None:
         """``rank``'s published local state of ``step``, or None."""
-        for slot in (step % 2, *self.SNAPSHOTS):
+        for slot in (step % self.RING, *self.SNAPSHOTS):
             head = self._head(rank, slot)
             if head is not None and head[0] == step:
                 return head[1]

@@ -23,7 +23,9 @@ stop, preemption, shutdown keys         gone with the store: a stop or preemptio
 checkpoint coordination (per            gone: a save in flight is not committed (its staging directory is
 generation)                             never loaded); the next save commits in the new store
 local states of the ranks               copied as they are published to the first successor's store (the
-(``rt/local/...``)                      mirror), so a rank that died with the host can be healed
+(``rt/local/...``)                      mirror), so a rank that died with the host can be healed; a rank of
+                                        a fenced node may still copy the boundary after its last commit
+                                        there, which the ring of three never lets overwrite the survivors'
 supervised marks                        set again by each rank as it follows its agent; the lost node's ranks'
                                         by the new host (its spare starts them as replacements)
 preemption graces                       the agents' default until a rank's grace changes
