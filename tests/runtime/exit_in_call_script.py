@@ -46,9 +46,25 @@ class Teardown:
         _sleep(2)
 
 
+def _request_queued_at_host() -> bool:
+    """The call's request sits unread in the stopped host's socket: the thread is inside the C++ call."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                local_port = int(cols[1].rsplit(":", 1)[1], 16)
+                state, rx_queue = cols[3], int(cols[4].split(":")[1], 16)
+                if local_port == port and state == "01" and rx_queue > 0:  # 01: established
+                    return True
+    return False
+
+
 threading.Thread(target=call, daemon=True).start()
 assert inside.wait(10)
-_sleep(0.2)  # into the C++ call (it holds no lock we could wait on)
+deadline = time.monotonic() + 30
+while not _request_queued_at_host():
+    assert time.monotonic() < deadline, "the store call never reached the host"
+    _sleep(0.01)
 t = Teardown()
 t.cycle = t
 del t
